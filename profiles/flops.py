@@ -1,0 +1,80 @@
+"""FLOPs and memory traffic of the ops a layer runs.
+
+`OpCost` is a dispatch mode that adds up, for every op, its FLOPs (PyTorch's own
+`FlopCounterMode` formulas) or, for ops without a formula (elementwise, norms, softmax,
+copies), the bytes they read and write. The roofline time of a piece of work is then
+`flops / peak_flops + io_bytes / memory_bandwidth`: matmul-like ops are compute bound,
+the rest memory bound. That is how fake-mode profiles get times, and how the planner moves
+times measured on one device to another.
+
+PyTorch's counter has no formula for the CPU flash-attention kernels; they are registered
+here with the same formulas it uses for the CUDA ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+aten = torch.ops.aten
+
+# Ops that move no data of their own: views and metadata changes.
+_FREE_OPS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.transpose, aten.t,
+    aten.unsqueeze, aten.squeeze, aten.slice, aten.select, aten.as_strided, aten.alias, aten.detach,
+    aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.empty, aten.empty_like,
+    aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.lift_fresh,
+}
+
+
+def _register_cpu_attention_formulas() -> None:
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if fwd not in flop_registry:
+        @register_flop_formula(fwd)
+        def _cpu_flash_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_flop_count(query_shape, key_shape, value_shape)
+    if bwd not in flop_registry:
+        @register_flop_formula(bwd)
+        def _cpu_flash_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_cpu_attention_formulas()
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+class OpCost(TorchDispatchMode):
+    """Sum FLOPs of matmul-like ops and bytes moved by the other ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.io_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif packet not in _FREE_OPS and not func.is_view:
+            ins, _ = tree_flatten((args, kwargs))
+            outs, _ = tree_flatten(out)
+            self.io_bytes += _tensor_bytes(ins) + _tensor_bytes(outs)
+        return out

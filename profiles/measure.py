@@ -1,0 +1,418 @@
+"""Measure every layer of a model: memory, time and FLOPs at each micro-batch size.
+
+Each layer is measured on its own, fed the output the previous layers produce for a batch
+from `make_batch`, in the dtype and on the device it will train on:
+
+  1. forward under `saved_tensors_hooks` and `LiveMemory`: what autograd saves (each storage
+     once, parameters excluded, the layer's own input and output told apart), the output, and
+     the transient peak above what stays;
+  2. backward twice (gradients new, then gradients accumulating) from a root that hands the
+     layer a ready output gradient and holds no other reference to the output, as in a real
+     step: the peak above what was live when the backward started;
+  3. the same under non-reentrant activation checkpointing;
+  4. FLOPs and memory traffic (`OpCost`) and, unless fake, times: median of repeats after
+     warm-up, with CUDA events on a GPU.
+
+In fake mode (FakeTensorMode) nothing is allocated; memory and FLOPs are exact and times come
+from the roofline of a hardware preset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from . import model_file as mf
+from .flops import OpCost
+from .live_memory import LiveMemory
+from .schema import LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class ProfileOptions:
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    optimizer: str = "adamw"        # sgd | momentum | adam | adamw
+    precision: str = "fp32"         # fp32 | bf16 | mixed
+    device: str = "cpu"             # cpu | cuda
+    fake: bool = False              # FakeTensorMode: no allocation, roofline times
+    hardware: str | None = None     # preset for fake-mode times
+    warmup: int = 2
+    repeats: int = 5
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype layers compute in: bf16 for bf16 and mixed precision."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def storage_dtype(precision: str) -> torch.dtype:
+    """The dtype of the stored parameters, gradients and optimizer states."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def optimizer_state_bytes(optimizer: str, param_numels: list[int], itemsize: int) -> int:
+    """Bytes of the states torch.optim keeps (fused implementation) for these parameters.
+
+    SGD keeps none; momentum one buffer per parameter; Adam/AdamW two (exp_avg, exp_avg_sq)
+    plus a float32 `step` scalar per parameter tensor.
+    """
+    n = sum(param_numels)
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "momentum":
+        return n * itemsize
+    return 2 * n * itemsize + 4 * len(param_numels)
+
+
+# --------------------------------------------------------------------------------------
+# One layer
+# --------------------------------------------------------------------------------------
+
+class _Root(torch.autograd.Function):
+    """A backward root that hands `grad` to `out` and keeps no reference to `out`.
+
+    In a real step the layer's output is alive during its backward only if autograd saved it,
+    and its gradient arrives ready-made from the next layer; this root reproduces that.
+    """
+
+    @staticmethod
+    def forward(ctx, out, grad):
+        ctx.grad = grad
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.grad = ctx.grad, None
+        return grad, None
+
+
+def _storages(t) -> list:
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    return list(get_untyped_storages(t)) if isinstance(t, torch.Tensor) else []
+
+
+def _nbytes(t) -> int:
+    return sum(st.nbytes() for st in _storages(t))
+
+
+def _needs_grad(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _fresh_input(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x.requires_grad_(True) if _needs_grad(x) else x
+
+
+def _clear_grads(module: nn.Module, x: torch.Tensor | None = None) -> None:
+    for p in module.parameters():
+        p.grad = None
+    if x is not None:
+        x.grad = None
+
+
+def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -> dict:
+    """Memory figures of `fn(x)` (a layer, or the layer under checkpointing)."""
+    param_storages = {id(st) for t in list(module.parameters()) + list(module.buffers()) for st in _storages(t)}
+    x_in = _fresh_input(x)
+    fig = {}
+    for phase in ("first", "accum"):
+        tracker = LiveMemory()
+        tracker.track(module, x_in, *extra)
+        saved: dict[int, int] = {}          # id(storage) -> bytes, for storages saved this forward
+
+        def pack(t):
+            for st in _storages(t):
+                if id(st) not in param_storages:
+                    saved[id(st)] = st.nbytes()
+            return t
+
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            tracker.reset_peak()
+            live_before_fwd = tracker.live
+            out = fn(x_in)
+            live_after_fwd = tracker.live
+            fwd_peak = tracker.peak
+            in_ids = {id(st) for st in _storages(x_in)}
+            out_ids = {id(st) for st in _storages(out)}
+            if phase == "first":
+                fig["input_bytes"] = _nbytes(x_in)
+                fig["output_bytes"] = _nbytes(out)
+                fig["saved_bytes"] = sum(saved.values())
+                fig["saved_input_bytes"] = sum(v for k, v in saved.items() if k in in_ids)
+                fig["saved_output_bytes"] = sum(v for k, v in saved.items() if k in out_ids and k not in in_ids)
+                fig["fwd_transient_bytes"] = fwd_peak - live_after_fwd
+                # What the forward left alive besides its output (checkpointing: RNG state, ...).
+                out_new = 0 if out_ids <= in_ids else fig["output_bytes"]
+                fig["retained_bytes"] = live_after_fwd - live_before_fwd - out_new
+            saved.clear()
+            if out.requires_grad:
+                grad = torch.randn_like(out)
+                root = _Root.apply(out, grad)
+                del out, grad
+                tracker.reset_peak()
+                before = tracker.live
+                root.backward()
+                fig[f"bwd_{phase}"] = tracker.peak - before
+                del root
+            else:
+                del out
+                fig[f"bwd_{phase}"] = 0
+        x_in.grad = None  # the input gradient flows on to the previous layer; it is not accumulated
+    _clear_grads(module, x_in)
+    return fig
+
+
+def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(fwd_flops, fwd_io_bytes, bwd_flops, bwd_io_bytes) of fn on x."""
+    x_in = _fresh_input(x)
+    with OpCost() as fwd:
+        out = fn(x_in)
+    bwd = OpCost()
+    if out.requires_grad:
+        grad = torch.ones_like(out)
+        with bwd:
+            out.backward(grad)
+    return fwd.flops, fwd.io_bytes, bwd.flops, bwd.io_bytes
+
+
+def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
+    """Median forward and backward seconds after warm-up (CUDA events on a GPU)."""
+    cuda = opts.device == "cuda"
+    x_in = _fresh_input(x)
+    fwd_times, bwd_times = [], []
+    for rep in range(opts.warmup + opts.repeats):
+        t_f = _Timer(cuda)
+        with t_f:
+            out = fn(x_in)
+        if out.requires_grad:
+            grad = torch.ones_like(out)
+            t_b = _Timer(cuda)
+            with t_b:
+                out.backward(grad)
+        else:
+            t_b = None
+        _clear_grads(module, x_in)
+        del out
+        if rep >= opts.warmup:
+            fwd_times.append(t_f.seconds())
+            bwd_times.append(t_b.seconds() if t_b else 0.0)
+    return statistics.median(fwd_times), statistics.median(bwd_times)
+
+
+class _Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t = time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.t
+
+
+def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofline) -> LayerSample:
+    def ckpt(inp):
+        return checkpoint(layer, inp, use_reentrant=False)
+
+    plain = measure_memory(layer, layer, x)
+    ck = measure_memory(ckpt, layer, x)
+    fwd_flops, fwd_io, bwd_flops, bwd_io = measure_cost(layer, x)
+    if opts.fake:
+        fwd_s, bwd_s = roofline(fwd_flops, fwd_io), roofline(bwd_flops, bwd_io)
+    else:
+        fwd_s, bwd_s = measure_time(layer, layer, x, opts)
+    return LayerSample(
+        input_bytes=plain["input_bytes"], output_bytes=plain["output_bytes"],
+        saved_bytes=plain["saved_bytes"], saved_input_bytes=plain["saved_input_bytes"],
+        saved_output_bytes=plain["saved_output_bytes"], fwd_transient_bytes=plain["fwd_transient_bytes"],
+        bwd_peak_bytes=plain["bwd_first"], bwd_accum_peak_bytes=plain["bwd_accum"],
+        ckpt_saved_bytes=max(0, ck["retained_bytes"]), ckpt_fwd_transient_bytes=ck["fwd_transient_bytes"],
+        ckpt_bwd_peak_bytes=ck["bwd_first"], ckpt_bwd_accum_peak_bytes=ck["bwd_accum"],
+        fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+        fwd_io_bytes=fwd_io, bwd_io_bytes=bwd_io,
+    )
+
+
+def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor, opts, roofline) -> LayerSample:
+    """The loss as one more layer without parameters; its input is the model's output."""
+    empty = nn.Module()
+
+    def fn(out):
+        return loss_fn(out, targets)
+
+    m = measure_memory(fn, empty, output, extra=(targets,))
+    fwd_flops, fwd_io, bwd_flops, bwd_io = measure_cost(fn, output)
+    if opts.fake:
+        fwd_s, bwd_s = roofline(fwd_flops, fwd_io), roofline(bwd_flops, bwd_io)
+    else:
+        fwd_s, bwd_s = measure_time(fn, empty, output, opts)
+    return LayerSample(
+        input_bytes=m["input_bytes"], output_bytes=m["output_bytes"], saved_bytes=m["saved_bytes"],
+        saved_input_bytes=m["saved_input_bytes"], saved_output_bytes=m["saved_output_bytes"],
+        fwd_transient_bytes=m["fwd_transient_bytes"], bwd_peak_bytes=m["bwd_first"],
+        bwd_accum_peak_bytes=m["bwd_accum"], fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops,
+        bwd_flops=bwd_flops, fwd_io_bytes=fwd_io, bwd_io_bytes=bwd_io,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Static figures of a layer
+# --------------------------------------------------------------------------------------
+
+TP_DIMS = {  # (style, module kind) -> {param name: dim the style shards}
+    ("colwise", "Linear"): {"weight": 0, "bias": 0},
+    ("rowwise", "Linear"): {"weight": 1},
+    ("colwise", "Embedding"): {"weight": 1},
+    ("rowwise", "Embedding"): {"weight": 0},
+}
+
+
+def static_figures(layer: nn.Module, index: int, name: str, tp_matches: dict[str, str], opts: ProfileOptions) -> LayerProfile:
+    sdt, cdt = storage_dtype(opts.precision), compute_dtype(opts.precision)
+    s_size = torch.empty((), dtype=sdt).element_size() if not opts.fake else (2 if sdt == torch.bfloat16 else 4)
+    c_size = 2 if cdt == torch.bfloat16 else 4
+    params = []
+    for pname, p in layer.named_parameters():
+        owner, _, leaf = pname.rpartition(".")
+        style = tp_matches.get(owner)
+        kind = "Embedding" if isinstance(layer.get_submodule(owner) if owner else layer, nn.Embedding) else "Linear"
+        tp_dim = TP_DIMS.get((style, kind), {}).get(leaf) if style else None
+        params.append(ParamInfo(name=pname, shape=list(p.shape), tp_dim=tp_dim))
+    numels = [p.numel() for p in layer.parameters()]
+    count = sum(numels)
+    tp_count = sum(p.numel() for p, info in zip(layer.parameters(), params) if info.tp_dim is not None)
+    return LayerProfile(
+        index=index, name=name, kind=type(layer).__name__,
+        param_count=count, param_bytes=count * s_size, compute_param_bytes=count * c_size,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
+        grad_bytes=count * s_size,
+        optimizer_state_bytes=optimizer_state_bytes(opts.optimizer, numels, s_size),
+        tp_param_bytes=tp_count * s_size, params=params,
+    )
+
+
+def check_no_shared_params(model: nn.Sequential, spec: mf.ModelSpec) -> None:
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(model):
+        for pname, p in layer.named_parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise mf.ModelFileError(f"{mf.layer_name(model, j)} and {mf.layer_name(model, i)} in {spec.path} share the parameter {pname}; give each layer its own parameters (untie them) so layers can live on different pipeline stages.")
+
+
+def signature(layer: LayerProfile) -> str:
+    """Equal for layers identical in structure and every measured memory and FLOP figure."""
+    keep = {b: {k: v for k, v in asdict(s).items() if not k.endswith("_s")} for b, s in layer.samples.items()}
+    blob = json.dumps([layer.kind, [asdict(p) for p in layer.params], layer.buffer_bytes, keep], sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def share_times_of_identical_layers(layers: list[LayerProfile]) -> None:
+    """Identical layers take the same time; give each the median of the group's measurements."""
+    groups: dict[str, list[LayerProfile]] = {}
+    for layer in layers:
+        groups.setdefault(layer.signature, []).append(layer)
+    for group in groups.values():
+        for b in group[0].samples:
+            for name in ("fwd_s", "bwd_s"):
+                med = statistics.median(getattr(g.samples[b], name) for g in group)
+                for g in group:
+                    setattr(g.samples[b], name, med)
+
+
+# --------------------------------------------------------------------------------------
+# The whole model
+# --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _build_context(opts: ProfileOptions):
+    """Default dtype and device for building (and, in fake mode, FakeTensorMode)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(compute_dtype(opts.precision))
+    try:
+        with torch.device(opts.device):
+            if opts.fake:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    yield
+            else:
+                yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str], None] | None = None,
+                  roofline: Callable[[int, int], float] | None = None) -> Profile:
+    """Measure every layer of `spec`'s model at each of `opts.batch_sizes`."""
+    if opts.device == "cuda" and not opts.fake and not torch.cuda.is_available():
+        raise mf.ModelFileError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --fake.")
+    on_progress = on_progress or (lambda _msg: None)
+    torch.manual_seed(0)
+    with _build_context(opts):
+        model = mf.build_checked_model(spec)
+        check_no_shared_params(model, spec)
+        tp_matches = mf.check_tp_plan(model, spec)
+        layers = [static_figures(layer, i, name, tp_matches[i], opts)
+                  for i, (name, layer) in enumerate(model.named_children())]
+        loss = Sampled()
+        batch = {"input_bytes": {}, "target_bytes": {}}
+        for b in opts.batch_sizes:
+            inputs, targets = mf.call_make_batch(spec, b)
+            inputs, targets = inputs.to(opts.device), targets.to(opts.device)
+            batch["input_bytes"][b], batch["target_bytes"][b] = _nbytes(inputs), _nbytes(targets)
+            x = inputs
+            for i, layer in enumerate(model):
+                on_progress(f"micro-batch {b}: {mf.layer_name(model, i)}")
+                with torch.no_grad():
+                    nxt = mf.run_layer_checked(model, i, x, spec)   # also checks the chain
+                layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
+                x = nxt
+            on_progress(f"micro-batch {b}: loss")
+            with torch.no_grad():
+                mf.run_loss_checked(spec, x, targets)
+            loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, roofline)
+    for layer in layers:
+        layer.signature = signature(layer)
+        layer.refit()
+    share_times_of_identical_layers(layers)
+    for layer in layers:
+        layer.refit()
+    loss.refit()
+    bs = list(opts.batch_sizes)
+    per_sample = {k: max(v[b] / b for b in bs) for k, v in batch.items()}
+    if opts.device == "cuda" and not opts.fake:
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = opts.device
+    return Profile(
+        model={"path": spec.path, "sha256": spec.sha256, "source": spec.source, "name": spec.name},
+        torch_version=torch.__version__.split("+")[0], device=device_name, device_type=opts.device,
+        method="fake" if opts.fake else "measured", hardware=opts.hardware, precision=opts.precision,
+        optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
+        batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
+    )

@@ -1,0 +1,195 @@
+"""Load a user's model file and check it against the contract in DESIGN.md.
+
+A model file defines `build_model() -> nn.Sequential`, `make_batch(batch_size) -> (inputs,
+targets)`, optionally `loss_fn(output, targets)` and `tp_plan`. Every way the file can break
+the contract raises `ModelFileError` with one sentence that names the problem and the fix;
+the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TP_STYLES = ("colwise", "rowwise", "sequence")
+
+
+class ModelFileError(Exception):
+    """A model file that breaks the contract; the message is one sentence with the fix."""
+
+
+def default_loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dim, whatever the leading dims are."""
+    return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+
+
+@dataclass
+class ModelSpec:
+    """What a model file provides, after loading."""
+
+    path: str                          # as given by the user
+    sha256: str                        # of the file's bytes; plans and runs check it
+    build_model: Callable[[], nn.Sequential]
+    make_batch: Callable[[int], tuple]
+    loss_fn: Callable = default_loss_fn
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    # Filled by adapters (Hugging Face): what the model is, for the profile header.
+    source: str = "file"
+    name: str = ""
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_model_file(path: str | Path) -> ModelSpec:
+    """Import the file and check that the names the contract needs are there."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"model file {path} does not exist; pass the path of a Python file that defines build_model() and make_batch().")
+    source = p.read_text()
+    try:
+        compile(source, str(p), "exec")
+    except SyntaxError as e:
+        raise ModelFileError(f"model file {path} has a syntax error at line {e.lineno}: {e.msg}; fix that line and run again.") from None
+    mod_name = f"_plan_model_{hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling inside the file need this
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any import-time failure of user code
+        raise ModelFileError(f"model file {path} failed to import ({type(e).__name__}: {e}); fix the file so that `python {path}` runs.") from None
+
+    build = getattr(module, "build_model", None)
+    if not callable(build):
+        raise ModelFileError(f"model file {path} defines no build_model(); add a function build_model() that returns the model as an nn.Sequential.")
+    make = getattr(module, "make_batch", None)
+    if not callable(make):
+        raise ModelFileError(f"model file {path} defines no make_batch(); add a function make_batch(batch_size) that returns (inputs, targets).")
+    loss = getattr(module, "loss_fn", None) or default_loss_fn
+    if not callable(loss):
+        raise ModelFileError(f"loss_fn in model file {path} is not a function; define loss_fn(output, targets) or remove it to use cross-entropy.")
+    tp_plan = getattr(module, "tp_plan", None) or {}
+    check_tp_plan_types(tp_plan, path)
+    return ModelSpec(path=str(path), sha256=file_sha256(p), build_model=build, make_batch=make,
+                     loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem)
+
+
+def check_tp_plan_types(tp_plan, path) -> None:
+    if not isinstance(tp_plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items()):
+        raise ModelFileError(f"tp_plan in model file {path} must be a dict of submodule-name globs to style strings, e.g. {{'mlp.fc': 'colwise'}}.")
+    for k, v in tp_plan.items():
+        if v not in TP_STYLES:
+            raise ModelFileError(f"tp_plan entry {k!r} in model file {path} has style {v!r}; use one of {', '.join(TP_STYLES)}.")
+
+
+def build_checked_model(spec: ModelSpec) -> nn.Sequential:
+    """Call build_model() and check it returned a non-empty nn.Sequential."""
+    try:
+        model = spec.build_model()
+    except Exception as e:  # noqa: BLE001
+        raise ModelFileError(f"build_model() in {spec.path} raised {type(e).__name__}: {e}; fix build_model so that it returns the model.") from None
+    if not isinstance(model, nn.Sequential):
+        raise ModelFileError(f"build_model() in {spec.path} returned a {type(model).__name__}, not an nn.Sequential; return the layers as nn.Sequential(layer0, layer1, ...).")
+    if len(model) == 0:
+        raise ModelFileError(f"build_model() in {spec.path} returned an empty nn.Sequential; put the model's layers in it.")
+    return model
+
+
+def call_make_batch(spec: ModelSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call make_batch(batch_size) and check it returned (inputs, targets) tensors."""
+    try:
+        batch = spec.make_batch(batch_size)
+    except Exception as e:  # noqa: BLE001
+        raise ModelFileError(f"make_batch({batch_size}) in {spec.path} raised {type(e).__name__}: {e}; fix make_batch so that it returns (inputs, targets).") from None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        what = f"a {type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+        raise ModelFileError(f"make_batch({batch_size}) in {spec.path} returned {what}; it must return a pair of tensors (inputs, targets).")
+    inputs, targets = batch
+    if inputs.shape[:1] != (batch_size,) or targets.shape[:1] != (batch_size,):
+        raise ModelFileError(f"make_batch({batch_size}) in {spec.path} returned inputs of shape {tuple(inputs.shape)} and targets of shape {tuple(targets.shape)}; both must have the batch size {batch_size} as their first dim.")
+    return inputs, targets
+
+
+def layer_name(model: nn.Sequential, i: int) -> str:
+    return f"layer {i} ({type(model[i]).__name__})"
+
+
+def describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def run_layer_checked(model: nn.Sequential, i: int, x, spec: ModelSpec):
+    """Run layer i on x; a failure names both layers and the shape that did not fit."""
+    try:
+        return model[i](x)
+    except Exception as e:  # noqa: BLE001
+        src = "make_batch's inputs" if i == 0 else f"the output of {layer_name(model, i - 1)}"
+        raise ModelFileError(f"{layer_name(model, i)} in {spec.path} cannot take {src}, {describe(x)} ({type(e).__name__}: {first_line(e)}); make each layer accept the previous layer's output.") from None
+
+
+def run_loss_checked(spec: ModelSpec, output, targets) -> torch.Tensor:
+    try:
+        loss = spec.loss_fn(output, targets)
+    except Exception as e:  # noqa: BLE001
+        raise ModelFileError(f"the loss in {spec.path} cannot take the model's output, {describe(output)}, with targets {describe(targets)} ({type(e).__name__}: {first_line(e)}); fix loss_fn or the last layer.") from None
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ModelFileError(f"the loss in {spec.path} returned {describe(loss)}; loss_fn must return a scalar tensor.")
+    return loss
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def tp_plan_matches(layer: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Submodule name -> style for the submodules of one layer that the tp_plan names."""
+    out = {}
+    for name, _ in layer.named_modules():
+        if not name:
+            continue
+        for pattern, style in tp_plan.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                out[name] = style
+                break
+    return out
+
+
+def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]:
+    """Per layer, the matched submodules; every entry must match something Linear-like."""
+    per_layer = [tp_plan_matches(layer, spec.tp_plan) for layer in model]
+    for pattern, style in spec.tp_plan.items():
+        hits = [(i, name) for i, m in enumerate(per_layer) for name, st in m.items()
+                if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            examples = sorted({n for layer in model for n, _ in layer.named_modules() if n})[:4]
+            raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} matches no submodule of any layer (names look like {', '.join(repr(e) for e in examples)}); fix the pattern or remove it.")
+        for i, name in hits:
+            sub = model[i].get_submodule(name)
+            if style in ("colwise", "rowwise") and not isinstance(sub, (nn.Linear, nn.Embedding)):
+                raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} {style}, but it is a {type(sub).__name__}; colwise and rowwise apply to nn.Linear and nn.Embedding only.")
+    return per_layer
+
+
+def load_spec(model: dict) -> ModelSpec:
+    """Load the model a profile or plan names ({"path", "sha256", "source", ...}).
+
+    Checks that the file has not changed since it was profiled.
+    """
+    spec = load_model_file(model["path"])
+    if model.get("sha256") and spec.sha256 != model["sha256"]:
+        raise ModelFileError(f"model file {model['path']} has changed since it was profiled; profile it again with `plan profile {model['path']}` and solve again.")
+    return spec

@@ -1,0 +1,269 @@
+"""The profile document (profile.json) and its dataclasses. Torch-free: the planner reads it.
+
+A profile holds, per layer, the figures that do not depend on the micro-batch size
+(parameter shapes and bytes, gradient and optimizer-state bytes) and, per measured micro-batch
+size b, a `LayerSample` of the figures that do. A linear fit a*b + c of every size-dependent
+figure lets the planner ask for sizes that were not measured.
+
+Memory terms, per layer and micro-batch (all bytes, one storage counted once):
+  saved        what autograd keeps for backward, the layer's parameters excluded
+  saved_input  the part of `saved` that is the layer's input (the previous layer may keep it too)
+  saved_output the part of `saved` that is the layer's output (the next layer may keep it too)
+  fwd_transient  the forward's peak above what is live after it (saved + output)
+  bwd_peak       the backward's peak above what is live when it starts (gradients are new)
+  bwd_accum_peak the same when gradients already exist (later micro-batches of accumulation)
+  ckpt_*         the same figures with the layer under activation checkpointing, where the
+                 forward keeps only its input and the backward first recomputes the forward
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+PRECISIONS = ("fp32", "bf16", "mixed")
+
+
+class ProfileError(Exception):
+    """A profile that cannot be used; the message is one sentence with the fix."""
+
+
+@dataclass
+class ParamInfo:
+    """One parameter of a layer."""
+
+    name: str                 # inside the layer, e.g. "attn.q.weight"
+    shape: list[int]
+    tp_dim: int | None = None  # dim the tp_plan shards under tensor parallelism; None: replicated
+
+
+@dataclass
+class LayerSample:
+    """Size-dependent figures of one layer at one micro-batch size (bytes, seconds, FLOPs)."""
+
+    input_bytes: int = 0
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
+    fwd_transient_bytes: int = 0
+    bwd_peak_bytes: int = 0
+    bwd_accum_peak_bytes: int = 0
+    ckpt_saved_bytes: int = 0
+    ckpt_fwd_transient_bytes: int = 0
+    ckpt_bwd_peak_bytes: int = 0
+    ckpt_bwd_accum_peak_bytes: int = 0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_io_bytes: int = 0      # bytes the forward's ops read and write (roofline's memory term)
+    bwd_io_bytes: int = 0
+    tp_fwd_comm_bytes: int = 0  # activation bytes TP all-reduces move in forward, at tp=1 sizes
+    tp_bwd_comm_bytes: int = 0
+
+
+SAMPLE_FIELDS = [f.name for f in fields(LayerSample)]
+INT_FIELDS = {f.name for f in fields(LayerSample) if f.type == "int"}
+
+
+@dataclass
+class Fit:
+    """value(b) ~= a * b + c over the measured sizes; max_residual is the worst miss."""
+
+    a: float
+    c: float
+    max_residual: float
+
+    def __call__(self, b: int) -> float:
+        return max(0.0, self.a * b + self.c)
+
+
+def fit_line(xs: list[int], ys: list[float]) -> Fit:
+    n = len(xs)
+    if n == 1:
+        return Fit(a=ys[0] / xs[0], c=0.0, max_residual=0.0)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    c = my - a * mx
+    return Fit(a=a, c=c, max_residual=max(abs(a * x + c - y) for x, y in zip(xs, ys)))
+
+
+@dataclass
+class Sampled:
+    """Figures measured at several micro-batch sizes, with fits for the sizes in between."""
+
+    samples: dict[int, LayerSample] = field(default_factory=dict)
+    fits: dict[str, Fit] = field(default_factory=dict)
+
+    def refit(self) -> None:
+        bs = sorted(self.samples)
+        self.fits = {name: fit_line(bs, [getattr(self.samples[b], name) for b in bs]) for name in SAMPLE_FIELDS}
+
+    def at(self, b: int) -> LayerSample:
+        """The measured sample at b, or one from the fits."""
+        if b in self.samples:
+            return self.samples[b]
+        vals = {}
+        for name in SAMPLE_FIELDS:
+            v = self.fits[name](b)
+            vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+        return LayerSample(**vals)
+
+
+@dataclass
+class LayerProfile(Sampled):
+    index: int = 0
+    name: str = ""             # the child's name in the Sequential ("0", "1", ...)
+    kind: str = ""             # its class name
+    signature: str = ""        # equal for layers that are identical in every measured figure
+    param_count: int = 0
+    param_bytes: int = 0       # as stored: fp32 master weights under mixed precision
+    compute_param_bytes: int = 0  # the copy compute runs on (bf16 under mixed precision)
+    buffer_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    tp_param_bytes: int = 0    # part of param_bytes that the tp_plan shards
+    params: list[ParamInfo] = field(default_factory=list)
+
+
+@dataclass
+class Profile:
+    model: dict                 # path, sha256, source ("file" | "hf-config"), name
+    torch_version: str
+    device: str                 # as torch reports it ("cpu", "NVIDIA H200")
+    device_type: str            # "cpu" | "cuda"
+    method: str                 # "measured" | "fake"
+    hardware: str | None        # preset whose roofline gave the times (fake) or that matches the device
+    precision: str              # fp32 | bf16 | mixed
+    optimizer: str              # sgd | momentum | adam | adamw
+    batch_sizes: list[int]
+    layers: list[LayerProfile]
+    loss: Sampled               # the loss function, as if it were one more layer without parameters
+    batch: dict                 # per-sample bytes of inputs and targets: {"input_bytes": Fit-like, ...}
+    seq_len: int | None = None
+    schema: int = SCHEMA_VERSION
+    kind: str = "profile"
+
+    # -- derived ----------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def batch_bytes(self, b: int) -> int:
+        """Bytes of one micro-batch's inputs and targets."""
+        return int(self.batch["input_bytes_per_sample"] * b + self.batch["target_bytes_per_sample"] * b)
+
+    # -- JSON -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for layer in d["layers"]:
+            layer["samples"] = {str(b): s for b, s in layer["samples"].items()}
+        d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, source: str = "profile") -> "Profile":
+        try:
+            if d.get("kind") != "profile":
+                raise ProfileError(f"{source} is not a profile (its 'kind' is {d.get('kind')!r}); pass the profile.json that `plan profile` wrote.")
+            if d.get("schema") != SCHEMA_VERSION:
+                raise ProfileError(f"{source} has schema {d.get('schema')!r} but this plan reads schema {SCHEMA_VERSION}; profile the model again with `plan profile`.")
+            layers = [_layer_from_json(x) for x in d["layers"]]
+            loss = _sampled_from_json(Sampled(), d["loss"])
+            prof = cls(model=dict(d["model"]), torch_version=str(d["torch_version"]), device=str(d["device"]),
+                       device_type=str(d["device_type"]), method=str(d["method"]), hardware=d.get("hardware"),
+                       precision=str(d["precision"]), optimizer=str(d["optimizer"]),
+                       batch_sizes=[int(b) for b in d["batch_sizes"]], layers=layers, loss=loss,
+                       batch=dict(d["batch"]), seq_len=d.get("seq_len"))
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProfileError(f"{source} is damaged or hand-edited ({type(e).__name__}: {e}); profile the model again with `plan profile`.") from None
+        prof.validate(source)
+        return prof
+
+    def validate(self, source: str = "profile") -> None:
+        def bad(what):
+            raise ProfileError(f"{source} is damaged or hand-edited: {what}; profile the model again with `plan profile`.")
+        if self.precision not in PRECISIONS:
+            bad(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            bad(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not self.layers:
+            bad("it has no layers")
+        if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
+            bad("its batch sizes are not positive")
+        for layer in self.layers:
+            for name in ("param_count", "param_bytes", "grad_bytes", "optimizer_state_bytes", "buffer_bytes"):
+                v = getattr(layer, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    bad(f"layer {layer.index} has {name} = {v!r}, not a non-negative integer")
+            if sorted(layer.samples) != sorted(self.batch_sizes):
+                bad(f"layer {layer.index} was measured at {sorted(layer.samples)}, not at the profile's batch sizes {self.batch_sizes}")
+            for b, s in layer.samples.items():
+                for name in SAMPLE_FIELDS:
+                    v = getattr(s, name)
+                    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (isinstance(v, float) and not math.isfinite(v)):
+                        bad(f"layer {layer.index} at micro-batch {b} has {name} = {v!r}, not a non-negative number")
+
+    def save(self, path: str | Path) -> None:
+        write_json_atomic(path, self.to_json())
+
+
+def _sampled_from_json(obj: Sampled, d: dict) -> Sampled:
+    obj.samples = {int(b): _sample_from_json(s) for b, s in d["samples"].items()}
+    obj.refit()
+    return obj
+
+
+def _sample_from_json(s: dict) -> LayerSample:
+    unknown = set(s) - set(SAMPLE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}")
+    return LayerSample(**s)
+
+
+def _layer_from_json(d: dict) -> LayerProfile:
+    layer = LayerProfile(
+        index=d["index"], name=d["name"], kind=d["kind"], signature=d["signature"],
+        param_count=d["param_count"], param_bytes=d["param_bytes"], compute_param_bytes=d["compute_param_bytes"],
+        buffer_bytes=d["buffer_bytes"], grad_bytes=d["grad_bytes"], optimizer_state_bytes=d["optimizer_state_bytes"],
+        tp_param_bytes=d["tp_param_bytes"], params=[ParamInfo(**p) for p in d["params"]],
+    )
+    return _sampled_from_json(layer, d)
+
+
+def load_profile(path: str | Path) -> Profile:
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile {path} does not exist; create it with `plan profile MODEL.py -o {path}`.")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"profile {path} is not valid JSON ({e}); profile the model again with `plan profile`.") from None
+    if not isinstance(d, dict):
+        raise ProfileError(f"profile {path} is not a JSON object; profile the model again with `plan profile`.")
+    return Profile.from_json(d, source=f"profile {path}")
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write JSON so that a failure leaves either the old file or none, never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
