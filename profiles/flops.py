@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None
 from torch.utils.flop_counter import (
     flop_registry,
     register_flop_formula,
@@ -59,19 +63,30 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
+_ALL_REDUCE = {torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce_}
+
+
 class OpCost(TorchDispatchMode):
-    """Sum FLOPs of matmul-like ops and bytes moved by the other ops."""
+    """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and all-reduce traffic."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
         self.io_bytes = 0
+        self.all_reduce_bytes = 0
+        self.all_reduce_count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Let DTensor lower itself first, so that the local (sharded) ops are what is counted.
+        if DTensor is not None and any(t is DTensor for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if packet in flop_registry:
+        if packet in _ALL_REDUCE:
+            self.all_reduce_bytes += _tensor_bytes([args[0]])
+            self.all_reduce_count += 1
+        elif packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
         elif packet not in _FREE_OPS and not func.is_view:
             ins, _ = tree_flatten((args, kwargs))

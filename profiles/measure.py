@@ -20,6 +20,7 @@ from the roofline of a hardware preset.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import statistics
@@ -34,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 from . import model_file as mf
 from .flops import OpCost
 from .live_memory import LiveMemory
-from .schema import LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+from .schema import TP_MEASURED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+from .tensor_parallel import apply_tp, fake_tp_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -123,8 +125,12 @@ def _clear_grads(module: nn.Module, x: torch.Tensor | None = None) -> None:
 
 
 def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -> dict:
-    """Memory figures of `fn(x)` (a layer, or the layer under checkpointing)."""
-    param_storages = {id(st) for t in list(module.parameters()) + list(module.buffers()) for st in _storages(t)}
+    """Memory figures of `fn(x)` (a layer, or the layer under checkpointing).
+
+    `extra` are tensors that exist anyway (the loss's targets): counted as live, never as saved.
+    """
+    param_storages = {id(st) for t in list(module.parameters()) + list(module.buffers()) + list(extra)
+                      for st in _storages(t)}
     x_in = _fresh_input(x)
     fig = {}
     for phase in ("first", "accum"):
@@ -174,8 +180,8 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
     return fig
 
 
-def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[int, int, int, int]:
-    """(fwd_flops, fwd_io_bytes, bwd_flops, bwd_io_bytes) of fn on x."""
+def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[OpCost, OpCost]:
+    """FLOPs, memory traffic and all-reduce traffic of fn's forward and of its backward."""
     x_in = _fresh_input(x)
     with OpCost() as fwd:
         out = fn(x_in)
@@ -184,7 +190,16 @@ def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[int, int, int, int]:
         grad = torch.ones_like(out)
         with bwd:
             out.backward(grad)
-    return fwd.flops, fwd.io_bytes, bwd.flops, bwd.io_bytes
+    return fwd, bwd
+
+
+def warm_up(fn: Callable, module: nn.Module, x: torch.Tensor) -> None:
+    """One untracked forward and backward: first calls allocate caches (DTensor, kernels)."""
+    x_in = _fresh_input(x)
+    out = fn(x_in)
+    if out.requires_grad:
+        out.backward(torch.ones_like(out))
+    _clear_grads(module, x_in)
 
 
 def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
@@ -235,15 +250,17 @@ class _Timer:
         return self.t
 
 
-def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofline) -> LayerSample:
+def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofline, timed: bool = True) -> LayerSample:
+    """All size-dependent figures of one layer at the micro-batch size of x."""
     def ckpt(inp):
         return checkpoint(layer, inp, use_reentrant=False)
 
+    warm_up(layer, layer, x)
     plain = measure_memory(layer, layer, x)
     ck = measure_memory(ckpt, layer, x)
-    fwd_flops, fwd_io, bwd_flops, bwd_io = measure_cost(layer, x)
-    if opts.fake:
-        fwd_s, bwd_s = roofline(fwd_flops, fwd_io), roofline(bwd_flops, bwd_io)
+    fwd, bwd = measure_cost(layer, x)
+    if opts.fake or not timed:
+        fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
     else:
         fwd_s, bwd_s = measure_time(layer, layer, x, opts)
     return LayerSample(
@@ -253,8 +270,10 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofl
         bwd_peak_bytes=plain["bwd_first"], bwd_accum_peak_bytes=plain["bwd_accum"],
         ckpt_saved_bytes=max(0, ck["retained_bytes"]), ckpt_fwd_transient_bytes=ck["fwd_transient_bytes"],
         ckpt_bwd_peak_bytes=ck["bwd_first"], ckpt_bwd_accum_peak_bytes=ck["bwd_accum"],
-        fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-        fwd_io_bytes=fwd_io, bwd_io_bytes=bwd_io,
+        fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd.flops, bwd_flops=bwd.flops,
+        fwd_io_bytes=fwd.io_bytes, bwd_io_bytes=bwd.io_bytes,
+        tp_fwd_comm_bytes=fwd.all_reduce_bytes, tp_bwd_comm_bytes=bwd.all_reduce_bytes,
+        tp_fwd_comm_count=fwd.all_reduce_count, tp_bwd_comm_count=bwd.all_reduce_count,
     )
 
 
@@ -265,18 +284,19 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
     def fn(out):
         return loss_fn(out, targets)
 
+    warm_up(fn, empty, output)
     m = measure_memory(fn, empty, output, extra=(targets,))
-    fwd_flops, fwd_io, bwd_flops, bwd_io = measure_cost(fn, output)
+    fwd, bwd = measure_cost(fn, output)
     if opts.fake:
-        fwd_s, bwd_s = roofline(fwd_flops, fwd_io), roofline(bwd_flops, bwd_io)
+        fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
     else:
         fwd_s, bwd_s = measure_time(fn, empty, output, opts)
     return LayerSample(
         input_bytes=m["input_bytes"], output_bytes=m["output_bytes"], saved_bytes=m["saved_bytes"],
         saved_input_bytes=m["saved_input_bytes"], saved_output_bytes=m["saved_output_bytes"],
         fwd_transient_bytes=m["fwd_transient_bytes"], bwd_peak_bytes=m["bwd_first"],
-        bwd_accum_peak_bytes=m["bwd_accum"], fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd_flops,
-        bwd_flops=bwd_flops, fwd_io_bytes=fwd_io, bwd_io_bytes=bwd_io,
+        bwd_accum_peak_bytes=m["bwd_accum"], fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd.flops,
+        bwd_flops=bwd.flops, fwd_io_bytes=fwd.io_bytes, bwd_io_bytes=bwd.io_bytes,
     )
 
 
@@ -327,7 +347,8 @@ def check_no_shared_params(model: nn.Sequential, spec: mf.ModelSpec) -> None:
 
 def signature(layer: LayerProfile) -> str:
     """Equal for layers identical in structure and every measured memory and FLOP figure."""
-    keep = {b: {k: v for k, v in asdict(s).items() if not k.endswith("_s")} for b, s in layer.samples.items()}
+    keep = [{b: {k: v for k, v in asdict(s).items() if not k.endswith("_s")} for b, s in samples.items()}
+            for samples in (layer.samples, layer.tp_samples)]
     blob = json.dumps([layer.kind, [asdict(p) for p in layer.params], layer.buffer_bytes, keep], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -338,11 +359,12 @@ def share_times_of_identical_layers(layers: list[LayerProfile]) -> None:
     for layer in layers:
         groups.setdefault(layer.signature, []).append(layer)
     for group in groups.values():
-        for b in group[0].samples:
-            for name in ("fwd_s", "bwd_s"):
-                med = statistics.median(getattr(g.samples[b], name) for g in group)
-                for g in group:
-                    setattr(g.samples[b], name, med)
+        for attr in ("samples", "tp_samples"):
+            for b in getattr(group[0], attr):
+                for name in ("fwd_s", "bwd_s"):
+                    med = statistics.median(getattr(getattr(g, attr)[b], name) for g in group)
+                    for g in group:
+                        setattr(getattr(g, attr)[b], name, med)
 
 
 # --------------------------------------------------------------------------------------
@@ -368,12 +390,16 @@ def _build_context(opts: ProfileOptions):
 
 def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str], None] | None = None,
                   roofline: Callable[[int, int], float] | None = None) -> Profile:
-    """Measure every layer of `spec`'s model at each of `opts.batch_sizes`."""
+    """Measure every layer of `spec`'s model at each of `opts.batch_sizes`.
+
+    `on_progress(message)` is called before each unit of work (there are `work_units` of them).
+    """
     if opts.device == "cuda" and not opts.fake and not torch.cuda.is_available():
         raise mf.ModelFileError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --fake.")
     on_progress = on_progress or (lambda _msg: None)
+    roofline = roofline or (lambda flops, io: 0.0)
     torch.manual_seed(0)
-    with _build_context(opts):
+    with _build_context(opts), _tp_context(spec, opts) as tp_mesh:
         model = mf.build_checked_model(spec)
         check_no_shared_params(model, spec)
         tp_matches = mf.check_tp_plan(model, spec)
@@ -391,6 +417,10 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
                 with torch.no_grad():
                     nxt = mf.run_layer_checked(model, i, x, spec)   # also checks the chain
                 layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
+                if tp_mesh is not None and tp_matches[i]:
+                    split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
+                    layers[i].tp_samples[b] = measure_layer(split, x, opts, roofline)
+                    del split
                 x = nxt
             on_progress(f"micro-batch {b}: loss")
             with torch.no_grad():
@@ -398,7 +428,6 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
             loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, roofline)
     for layer in layers:
         layer.signature = signature(layer)
-        layer.refit()
     share_times_of_identical_layers(layers)
     for layer in layers:
         layer.refit()
@@ -416,3 +445,18 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
     )
+
+
+def work_units(model_len: int, opts: ProfileOptions) -> int:
+    """How many times profile_model calls on_progress (for a progress bar)."""
+    return (model_len + 1) * len(opts.batch_sizes)
+
+
+@contextlib.contextmanager
+def _tp_context(spec: mf.ModelSpec, opts: ProfileOptions):
+    """A fake mesh of TP_MEASURED ranks when the model has a tp_plan, else None."""
+    if not spec.tp_plan:
+        yield None
+        return
+    with fake_tp_mesh(opts.device, TP_MEASURED) as mesh:
+        yield mesh

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16", "mixed")
 
@@ -65,12 +66,18 @@ class LayerSample:
     bwd_flops: int = 0
     fwd_io_bytes: int = 0      # bytes the forward's ops read and write (roofline's memory term)
     bwd_io_bytes: int = 0
-    tp_fwd_comm_bytes: int = 0  # activation bytes TP all-reduces move in forward, at tp=1 sizes
+    tp_fwd_comm_bytes: int = 0  # bytes the tensor-parallel all-reduces of the forward carry (tp samples only)
     tp_bwd_comm_bytes: int = 0
+    tp_fwd_comm_count: int = 0  # number of those all-reduces
+    tp_bwd_comm_count: int = 0
 
 
 SAMPLE_FIELDS = [f.name for f in fields(LayerSample)]
 INT_FIELDS = {f.name for f in fields(LayerSample) if f.type == "int"}
+TP_COMM_FIELDS = {"tp_fwd_comm_bytes", "tp_bwd_comm_bytes", "tp_fwd_comm_count", "tp_bwd_comm_count"}
+# Whether a layer keeps its input or output is a yes/no fact of its ops, not a size that
+# shrinks with tensor parallelism; these are taken from the tp=1 sample as they are.
+TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes"}
 
 
 @dataclass
@@ -120,6 +127,10 @@ class Sampled:
 
 @dataclass
 class LayerProfile(Sampled):
+    """One layer. `samples` are measured without tensor parallelism; `tp_samples`, for layers
+    the tp_plan touches, under tensor parallelism of degree TP_MEASURED (a fake process group):
+    a figure f then splits into a replicated part r and a sharded part s, f(t) = r + s / t."""
+
     index: int = 0
     name: str = ""             # the child's name in the Sequential ("0", "1", ...)
     kind: str = ""             # its class name
@@ -132,6 +143,34 @@ class LayerProfile(Sampled):
     optimizer_state_bytes: int = 0
     tp_param_bytes: int = 0    # part of param_bytes that the tp_plan shards
     params: list[ParamInfo] = field(default_factory=list)
+    tp_samples: dict[int, LayerSample] = field(default_factory=dict)
+
+    def refit(self) -> None:
+        super().refit()
+        self._tp = Sampled(samples=self.tp_samples)
+        if self.tp_samples:
+            self._tp.refit()
+
+    def at_tp(self, b: int, tp: int) -> LayerSample:
+        """Figures at micro-batch b under tensor parallelism of degree tp."""
+        one = self.at(b)
+        if tp == 1 or not self.tp_samples:
+            return one
+        two = self._tp.at(b)
+        vals = {}
+        for name in SAMPLE_FIELDS:
+            v1, v2 = getattr(one, name), getattr(two, name)
+            if name in TP_COMM_FIELDS:
+                v = v2
+            elif name in TP_FIXED_FIELDS:
+                v = v1
+            else:
+                # f(t) = r + s/t through f(1) = v1 and f(TP_MEASURED) = v2.
+                k = TP_MEASURED
+                shard = (v1 - v2) * k / (k - 1)
+                v = max(0.0, (v1 - shard) + shard / tp)
+            vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+        return LayerSample(**vals)
 
 
 @dataclass
@@ -166,6 +205,7 @@ class Profile:
         d = asdict(self)
         for layer in d["layers"]:
             layer["samples"] = {str(b): s for b, s in layer["samples"].items()}
+            layer["tp_samples"] = {str(b): s for b, s in layer["tp_samples"].items()}
         d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
         return d
 
@@ -237,6 +277,7 @@ def _layer_from_json(d: dict) -> LayerProfile:
         param_count=d["param_count"], param_bytes=d["param_bytes"], compute_param_bytes=d["compute_param_bytes"],
         buffer_bytes=d["buffer_bytes"], grad_bytes=d["grad_bytes"], optimizer_state_bytes=d["optimizer_state_bytes"],
         tp_param_bytes=d["tp_param_bytes"], params=[ParamInfo(**p) for p in d["params"]],
+        tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
     )
     return _sampled_from_json(layer, d)
 

@@ -1,0 +1,165 @@
+"""Memory of one rank over one training step, from per-layer figures. Torch-free.
+
+A step is a sequence of actions: the forward (F) and backward (B) of each micro-batch the
+rank's pipeline stage runs, in the schedule's order, then the optimizer step. The peak is
+the maximum of the live bytes over all of them, not a sum of per-phase maxima. At any
+moment the live bytes are:
+
+  static        weights + optimizer states + buffers (module buffers, this rank's batch,
+                communication buffers that stay), and gradients once any exist
+  in flight     for every micro-batch between its F and its B: what its layers keep for
+                backward; the tensor between two layers (one's output, the next one's
+                input) counted once if either keeps it
+  the current   the input being consumed, the output being produced and the layer's own
+  layer         transient peak above that (measured by the profiler)
+
+`walk_stage` walks these actions one layer at a time; it is the reference the MILP in
+`planner/milp.py` is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerMemory:
+    """Memory figures of one layer on one rank (bytes), as a plan runs it."""
+
+    weights: int             # parameters resident on the device between uses
+    grads: int               # gradients resident after the layer's backward
+    optim: int               # optimizer states on the device
+    buffers: int             # module buffers and buffers that stay for the whole forward/backward
+    input: int               # the layer's input (the previous layer's output)
+    output: int
+    own: int                 # what the forward keeps besides its input and output
+    keeps_input: bool        # its input stays alive until its backward
+    keeps_output: bool       # its output stays alive until its backward
+    fwd_transient: int       # forward's peak above input + own + output
+    bwd_peak: int            # backward's peak above what is live when it starts (gradients new)
+    bwd_accum_peak: int      # the same when gradients already exist
+
+
+@dataclass
+class StageMemory:
+    """The predicted peak of one rank and what it is made of at that moment."""
+
+    peak: int
+    phase: str                       # e.g. "B mb 0 layer 3", "optimizer step"
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0             # in-flight activations + the current layer's input/output/transient
+    buffers: int = 0                 # batch, module buffers, communication buffers
+    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+
+    def categories(self) -> dict[str, int]:
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "peak": self.peak}
+
+
+def schedule_actions(schedule: str, pp: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """The (F|B, micro-batch) order one pipeline stage runs in one step.
+
+    pp == 1 is gradient accumulation: F0 B0 F1 B1 ... GPipe runs all forwards, then all
+    backwards. 1F1B (torch.distributed.pipelining's Schedule1F1B) runs min(m, pp - stage)
+    forwards, then alternates one backward and one forward, then the remaining backwards.
+    """
+    if pp == 1:
+        return [a for k in range(m) for a in (("F", k), ("B", k))]
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warmup = min(m, pp - stage)
+    actions = [("F", k) for k in range(warmup)]
+    for j in range(m - warmup):
+        actions += [("B", j), ("F", warmup + j)]
+    return actions + [("B", k) for k in range(m - warmup, m)]
+
+
+def in_flight(schedule: str, pp: int, stage: int, m: int) -> int:
+    """Most micro-batches a stage holds activations for at once."""
+    live, most = 0, 0
+    for kind, _ in schedule_actions(schedule, pp, stage, m):
+        live += 1 if kind == "F" else -1
+        most = max(most, live)
+    return most
+
+
+def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
+    """What each layer adds to the activations kept for backward (one micro-batch).
+
+    The tensor entering seq[i] is counted by seq[i] when seq[i] keeps it and seq[i-1] does
+    not keep it as its output (so a tensor both keep is counted once). The first layer's
+    input is counted by the caller (the batch, or the pipeline's cached stage input) when
+    `first_kept_by_caller`.
+    """
+    out = []
+    for i, l in enumerate(seq):
+        prev_keeps = first_kept_by_caller if i == 0 else seq[i - 1].keeps_output
+        out.append(l.own + (l.output if l.keeps_output else 0) + (l.input if l.keeps_input and not prev_keeps else 0))
+    return out
+
+
+def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_buffers: int,
+               actions: list[tuple[str, int]], per_micro_batch_buffers: int = 0,
+               input_is_held: bool = True) -> StageMemory:
+    """Walk one step of a stage holding `layers` (and the loss, on the last stage).
+
+    static_buffers: bytes alive the whole step besides weights, grads and optimizer states
+        (module buffers, this rank's batch, persistent communication buffers).
+    per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers
+        (the pipeline's cached stage input and output).
+    input_is_held: the first layer's input is alive anyway (the batch, or the pipeline's
+        cached input), so it is never counted as an activation.
+    """
+    seq = layers + ([loss] if loss is not None else [])
+    n = len(seq)
+    weights = sum(l.weights for l in layers)
+    optim = sum(l.optim for l in layers)
+    buffers = sum(l.buffers for l in layers) + static_buffers
+    grads_all = sum(l.grads for l in layers)
+    add = kept_bytes(seq, input_is_held)
+    per_mb = sum(add) + per_micro_batch_buffers        # one finished forward, held until its backward
+    first_input = 0 if input_is_held else seq[0].input
+
+    timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
+
+    def record(phase, grads, acts):
+        timeline.append((phase, weights + optim + buffers + grads + acts, grads, acts))
+
+    held = 0                 # micro-batches between their F and their B
+    grads_exist = False      # after the first backward, every gradient stays allocated
+    for kind, mb in actions:
+        others = held * per_mb
+        if kind == "F":
+            g = grads_all if grads_exist else 0
+            kept = per_micro_batch_buffers
+            for i, l in enumerate(seq):
+                x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
+                record(f"F mb {mb} {_name(i, layers)}", g, others + kept + x_extra + l.own + l.output + l.fwd_transient)
+                kept += add[i]
+            held += 1
+        else:
+            held -= 1
+            others = held * per_mb
+            kept = per_mb
+            grads_done = 0
+            for i in reversed(range(n)):
+                l = seq[i]
+                g = grads_all if grads_exist else grads_done
+                g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
+                delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
+                record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta)
+                kept -= add[i]
+                if i < len(layers):
+                    grads_done += l.grads
+            grads_exist = True
+    record("optimizer step", grads_all, 0)
+
+    phase, live, g, acts = max(timeline, key=lambda t: t[1])
+    return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim,
+                       activations=acts, buffers=buffers, timeline=[(p, v) for p, v, _, _ in timeline])
+
+
+def _name(i: int, layers: list) -> str:
+    return f"layer {i}" if i < len(layers) else "loss"
