@@ -388,15 +388,15 @@ def _build_context(opts: ProfileOptions):
         torch.set_default_dtype(old)
 
 
-def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str], None] | None = None,
+def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str, int], None] | None = None,
                   roofline: Callable[[int, int], float] | None = None) -> Profile:
     """Measure every layer of `spec`'s model at each of `opts.batch_sizes`.
 
-    `on_progress(message)` is called before each unit of work (there are `work_units` of them).
+    `on_progress(message, total)` is called before each of `total` units of work.
     """
     if opts.device == "cuda" and not opts.fake and not torch.cuda.is_available():
         raise mf.ModelFileError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --fake.")
-    on_progress = on_progress or (lambda _msg: None)
+    on_progress = on_progress or (lambda _msg, _total: None)
     roofline = roofline or (lambda flops, io: 0.0)
     torch.manual_seed(0)
     with _build_context(opts), _tp_context(spec, opts) as tp_mesh:
@@ -407,13 +407,14 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
                   for i, (name, layer) in enumerate(model.named_children())]
         loss = Sampled()
         batch = {"input_bytes": {}, "target_bytes": {}}
+        total = (len(model) + 1) * len(opts.batch_sizes)
         for b in opts.batch_sizes:
             inputs, targets = mf.call_make_batch(spec, b)
             inputs, targets = inputs.to(opts.device), targets.to(opts.device)
             batch["input_bytes"][b], batch["target_bytes"][b] = _nbytes(inputs), _nbytes(targets)
             x = inputs
             for i, layer in enumerate(model):
-                on_progress(f"micro-batch {b}: {mf.layer_name(model, i)}")
+                on_progress(f"micro-batch {b}: {mf.layer_name(model, i)}", total)
                 with torch.no_grad():
                     nxt = mf.run_layer_checked(model, i, x, spec)   # also checks the chain
                 layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
@@ -422,7 +423,7 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
                     layers[i].tp_samples[b] = measure_layer(split, x, opts, roofline)
                     del split
                 x = nxt
-            on_progress(f"micro-batch {b}: loss")
+            on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():
                 mf.run_loss_checked(spec, x, targets)
             loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, roofline)
@@ -445,11 +446,6 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
     )
-
-
-def work_units(model_len: int, opts: ProfileOptions) -> int:
-    """How many times profile_model calls on_progress (for a progress bar)."""
-    return (model_len + 1) * len(opts.batch_sizes)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,404 @@
+"""`plan`: profile a model, solve for the best training layout, run it, verify it.
+
+Thin by design: each command parses its flags, calls the packages, and prints with rich.
+Every expected failure is one sentence and exit code 2 (3 when no layout fits).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Profile a PyTorch model, solve for the fastest training layout that fits, run it, and check the prediction.")
+out = Console()
+err = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_NO_FIT = 3
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def expected_errors():
+    """The exceptions that mean bad input (one sentence each), not a bug."""
+    from planner.hardware import HardwareError
+    from planner.plan import PlanError
+    from planner.search import SolveError
+    from profiles.schema import ProfileError
+    errors = (HardwareError, PlanError, SolveError, ProfileError)
+    try:
+        from profiles.model_file import ModelFileError
+        errors += (ModelFileError,)
+    except ImportError:  # torch missing: the planner still runs
+        pass
+    return errors
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+# ----------------------------------------------------------------------------------------
+# plan profile
+# ----------------------------------------------------------------------------------------
+
+@app.command()
+def profile(
+    model: str = typer.Argument(..., help="Model file (build_model, make_batch; see DESIGN.md)."),
+    output: Path = typer.Option(Path("profile.json"), "-o", "--output", help="Where to write the profile."),
+    batch_sizes: str = typer.Option("1,2,4", help="Micro-batch sizes to measure, comma-separated."),
+    optimizer: str = typer.Option("adamw", help="sgd | momentum | adam | adamw."),
+    precision: str = typer.Option("fp32", help="fp32 | bf16 | mixed (bf16 compute, fp32 master weights, gradients and states)."),
+    device: str = typer.Option("cpu", help="cpu | cuda."),
+    fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's roofline."),
+    hardware: Optional[str] = typer.Option(None, help="Hardware preset for --fake times (see `plan hardware`)."),
+    csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
+    repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
+):
+    """Measure every layer: memory by category, time and FLOPs at each micro-batch size."""
+    try:
+        from profiles.measure import ProfileOptions, profile_model
+        from profiles.model_file import load_model_file
+        from planner.hardware import get_hardware, roofline_seconds
+        from profiles.schema import OPTIMIZERS, PRECISIONS
+
+        if optimizer not in OPTIMIZERS:
+            fail(f"--optimizer {optimizer} is not one of {', '.join(OPTIMIZERS)}.")
+        if precision not in PRECISIONS:
+            fail(f"--precision {precision} is not one of {', '.join(PRECISIONS)}.")
+        if device not in ("cpu", "cuda"):
+            fail(f"--device {device} is not cpu or cuda.")
+        try:
+            sizes = tuple(sorted({int(x) for x in batch_sizes.split(",") if x.strip()}))
+        except ValueError:
+            fail(f"--batch-sizes {batch_sizes!r} is not a comma-separated list of integers, e.g. 1,2,4.")
+        if not sizes or min(sizes) < 1:
+            fail(f"--batch-sizes {batch_sizes!r} must list positive integers, e.g. 1,2,4.")
+        if repeats < 1:
+            fail(f"--repeats is {repeats}; give 1 or more.")
+        roofline = None
+        if fake:
+            if not hardware:
+                fail("--fake needs --hardware PRESET for its times (see `plan hardware`).")
+            hw = get_hardware(hardware)
+            roofline = lambda flops, io: roofline_seconds(hw, flops, io, precision)  # noqa: E731
+        elif hardware:
+            get_hardware(hardware)
+
+        spec = load_model_file(model)
+        opts = ProfileOptions(batch_sizes=sizes, optimizer=optimizer, precision=precision, device=device,
+                              fake=fake, hardware=hardware, repeats=repeats)
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("profiling", total=None)
+            prof = profile_model(spec, opts, roofline=roofline,
+                                 on_progress=lambda msg, total: bar.update(task, advance=1, total=total, description=msg))
+        prof.save(output)
+        if csv:
+            write_profile_csv(prof, csv)
+    except expected_errors() as e:
+        fail(str(e))
+    print_profile(prof)
+    out.print(f"wrote [bold]{output}[/]" + (f" and [bold]{csv}[/]" if csv else ""))
+
+
+def write_profile_csv(prof, path: Path) -> None:
+    import os
+    import tempfile
+    from dataclasses import asdict
+
+    import pandas as pd
+    rows = []
+    for layer in prof.layers:
+        for b in sorted(layer.samples):
+            rows.append({"layer": layer.index, "name": layer.name, "kind": layer.kind, "micro_batch": b,
+                         "param_count": layer.param_count, "param_bytes": layer.param_bytes,
+                         "grad_bytes": layer.grad_bytes, "optimizer_state_bytes": layer.optimizer_state_bytes,
+                         "buffer_bytes": layer.buffer_bytes, **asdict(layer.samples[b])})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        pd.DataFrame(rows).to_csv(tmp, index=False)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def print_profile(prof, b: int | None = None) -> None:
+    b = b or max(prof.batch_sizes)
+    t = Table(title=f"{prof.model.get('name') or prof.model['path']}: {prof.n_layers} layers, {prof.precision}, "
+                    f"{prof.optimizer}, {prof.method} on {prof.device}, micro-batch {b} (MiB, ms, GFLOP)")
+    for col in ("layer", "kind", "params", "weights", "grads", "optim", "saved", "ckpt keeps", "fwd ms", "bwd ms", "GFLOP"):
+        t.add_column(col, justify="right" if col not in ("kind",) else "left")
+    for layer in prof.layers:
+        s = layer.at(b)
+        t.add_row(str(layer.index), layer.kind, f"{layer.param_count:,}", mib(layer.param_bytes), mib(layer.grad_bytes),
+                  mib(layer.optimizer_state_bytes), mib(s.saved_bytes), mib(s.input_bytes + s.ckpt_saved_bytes),
+                  f"{s.fwd_s * 1e3:.3f}", f"{s.bwd_s * 1e3:.3f}", f"{(s.fwd_flops + s.bwd_flops) / 1e9:.3f}")
+    s = prof.loss.at(b)
+    t.add_row("loss", "", "", "", "", "", mib(s.saved_bytes), "", f"{s.fwd_s * 1e3:.3f}", f"{s.bwd_s * 1e3:.3f}",
+              f"{(s.fwd_flops + s.bwd_flops) / 1e9:.3f}")
+    out.print(t)
+
+
+# ----------------------------------------------------------------------------------------
+# plan show / plan hardware
+# ----------------------------------------------------------------------------------------
+
+@app.command()
+def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run.json."),
+         batch: Optional[int] = typer.Option(None, help="Micro-batch size to show a profile at (default: the largest measured).")):
+    """Print a profile's, plan's or run's summary again."""
+    try:
+        if not path.is_file():
+            fail(f"{path} does not exist; give the path of a profile.json, plan.json or run.json.")
+        try:
+            kind = json.loads(path.read_text()).get("kind")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            fail(f"{path} is not a JSON document written by plan; give a profile.json, plan.json or run.json.")
+        if kind == "profile":
+            from profiles.schema import load_profile
+            print_profile(load_profile(path), batch)
+        elif kind == "plan":
+            from planner.plan import load_plan
+            print_plan(load_plan(path))
+        elif kind == "run":
+            print_run(json.loads(path.read_text()))
+        else:
+            fail(f"{path} is not a profile, plan or run document (its 'kind' is {kind!r}).")
+    except expected_errors() as e:
+        fail(str(e))
+
+
+@app.command("hardware")
+def hardware_cmd():
+    """List the hardware presets (a TOML cluster file can describe anything else)."""
+    from planner.hardware import PRESETS
+    t = Table(title="hardware presets (per GPU; bandwidths per direction)")
+    for col in ("name", "memory GiB", "usable", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "GPUs/node",
+                "intra GB/s", "inter GB/s", "host<->dev GB/s"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for name, h in PRESETS.items():
+        t.add_row(name, f"{h.memory_bytes / 2**30:.1f}", f"{h.usable_fraction:.2f}", f"{h.bf16_flops / 1e12:.1f}",
+                  f"{h.fp32_flops / 1e12:.1f}", f"{h.hbm_bandwidth / 1e9:,.0f}", str(h.gpus_per_node),
+                  f"{h.intra_node_bandwidth / 1e9:.1f}", f"{h.inter_node_bandwidth / 1e9:.2f}",
+                  f"{h.host_to_device_bandwidth / 1e9:.1f}")
+    out.print(t)
+    out.print("Sources for every number: planner/hardware.py (Hardware.sources).")
+
+
+# ----------------------------------------------------------------------------------------
+# plan solve
+# ----------------------------------------------------------------------------------------
+
+@app.command()
+def solve(
+    profile_path: Path = typer.Argument(Path("profile.json"), metavar="[PROFILE]", help="The profile to plan from."),
+    gpus: int = typer.Option(..., help="Number of GPUs (or CPU processes with --hardware cpu)."),
+    gpus_per_node: Optional[int] = typer.Option(None, help="GPUs per node (default: the hardware's)."),
+    hardware: str = typer.Option("h100-sxm-80g", help="Hardware preset (see `plan hardware`)."),
+    cluster: Optional[Path] = typer.Option(None, help="TOML cluster file instead of a preset."),
+    global_batch: Optional[int] = typer.Option(None, help="Samples per step (default: 8 per GPU)."),
+    memory_limit: Optional[str] = typer.Option(None, help="Memory per GPU plans may use, e.g. 70GiB (default: the hardware's usable memory)."),
+    top: int = typer.Option(5, help="How many of the best layouts to show and keep."),
+    solver: str = typer.Option("cbc", help="cbc (bundled) | highs."),
+    dp: Optional[int] = typer.Option(None, help="Pin the data-parallel degree."),
+    tp: Optional[int] = typer.Option(None, help="Pin the tensor-parallel degree."),
+    pp: Optional[int] = typer.Option(None, help="Pin the pipeline-parallel degree."),
+    micro_batch: Optional[int] = typer.Option(None, help="Pin the micro-batch size."),
+    zero: Optional[int] = typer.Option(None, help="Pin the ZeRO stage (0-3)."),
+    schedule: Optional[str] = typer.Option(None, help="Pin the pipeline schedule: 1f1b | gpipe."),
+    checkpoint: str = typer.Option("auto", help="Activation checkpointing: none | all | auto."),
+    offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
+    output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
+):
+    """Find the fastest layout that fits: degrees, micro-batching, ZeRO, checkpointing, offload."""
+    from planner.build import build_plan, explain_no_fit
+    from planner.hardware import get_hardware, load_cluster_file, parse_size
+    from planner.search import SolveOptions, search
+    from profiles.schema import load_profile
+    try:
+        prof = load_profile(profile_path)
+        check_model_unchanged(prof)
+        hw = load_cluster_file(cluster) if cluster else get_hardware(hardware)
+        limit = parse_size(memory_limit, what="--memory-limit") if memory_limit else None
+        opts = SolveOptions(gpus=gpus, hardware=hw, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                            memory_limit=limit, top_k=top, solver=solver, dp=dp, tp=tp, pp=pp,
+                            micro_batch=micro_batch, zero=zero, schedule=schedule, checkpoint=checkpoint,
+                            offload=offload)
+        with Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("solve", total=None)
+            result = search(prof, opts, on_progress=lambda k, n: bar.update(task, completed=k, total=n))
+        limit_bytes = limit or hw.usable_memory_bytes()
+        if not result.solutions:
+            err.print(f"[bold red]no layout fits[/] {gpus} x {hw.name} with {limit_bytes / 2**30:.2f} GiB per GPU "
+                      f"({result.candidates} layouts considered).", highlight=False)
+            for line in explain_no_fit(prof, opts, result, limit_bytes):
+                err.print("  " + line, highlight=False)
+            raise typer.Exit(EXIT_NO_FIT)
+        best, others = result.solutions[0], result.solutions[1:]
+        plan = build_plan(best, others, prof, str(profile_path), hw, opts, limit_bytes, str(output))
+        plan.save(output)
+    except expected_errors() as e:
+        fail(str(e))
+    print_top(result, limit_bytes)
+    print_plan(plan)
+    out.print(f"{result.candidates} layouts: {result.solved} solved, {result.pruned} pruned by the time bound, "
+              f"{result.infeasible} proven not to fit.")
+    out.print(f"wrote [bold]{output}[/]; run it with:\n  {plan.launch}")
+
+
+def check_model_unchanged(prof) -> None:
+    """A profile is only good for the model file it measured."""
+    import hashlib
+
+    from profiles.schema import ProfileError
+    path = Path(prof.model["path"])
+    if prof.model.get("source", "file") != "file":
+        return
+    if not path.is_file():
+        raise ProfileError(f"the profile's model file {path} no longer exists; profile the model again.")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != prof.model["sha256"]:
+        raise ProfileError(f"model file {path} has changed since it was profiled; profile it again with `plan profile {path}`.")
+
+
+def print_top(result, limit: int) -> None:
+    t = Table(title=f"best layouts (memory limit {mib(limit)} MiB per GPU)")
+    for col in ("#", "dp", "tp", "pp", "zero", "sched", "micro-batch", "ckpt", "offload", "step s", "samples/s",
+                "MFU", "peak MiB per stage"):
+        t.add_column(col, justify="right")
+    for k, sol in enumerate(result.solutions):
+        c, p = sol.candidate, sol.prediction
+        ck = sum(1 for st in sol.stages for _, x, _ in st if x)
+        off = sum(1 for st in sol.stages for _, _, x in st if x)
+        t.add_row(str(k + 1), str(c.dp), str(c.tp), str(c.pp), str(c.zero), c.schedule if c.pp > 1 else "-",
+                  f"{c.micro_batch_size} x {c.num_micro_batches}", str(ck), str(off), f"{p.step_s:.4f}",
+                  f"{p.samples_per_s:,.1f}", f"{100 * p.mfu:.1f}%",
+                  " / ".join(mib(s.memory.peak) for s in p.stages))
+    out.print(t)
+
+
+def print_plan(plan) -> None:
+    pred = plan.predicted
+    t = Table(title=f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
+                    f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch} (MiB)")
+    for col in ("stage", "layers", "checkpointed", "offloaded", "weights", "grads", "optimizer", "activations",
+                "buffers", "peak", "peak during"):
+        t.add_column(col, justify="left" if col in ("layers", "checkpointed", "offloaded", "peak during") else "right")
+    for st, ps in zip(plan.stages, pred.get("stages", [])):
+        idx = [lc.index for lc in st.layers]
+        t.add_row(str(st.index), f"{idx[0]}-{idx[-1]}", _ranges([lc.index for lc in st.layers if lc.checkpoint]),
+                  _ranges([lc.index for lc in st.layers if lc.offload]), mib(ps["weights_bytes"]), mib(ps["grads_bytes"]),
+                  mib(ps["optimizer_bytes"]), mib(ps["activations_bytes"]), mib(ps["buffers_bytes"]),
+                  mib(ps["peak_bytes"]), ps["peak_phase"])
+    out.print(t)
+    if pred:
+        out.print(f"predicted step {pred['step_time_s']:.4f} s, {pred['samples_per_s']:,.1f} samples/s, "
+                  f"MFU {100 * pred['mfu']:.1f}%, peak {mib(pred['peak_bytes'])} of {mib(plan.memory_limit_bytes)} MiB")
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)
+
+
+# ----------------------------------------------------------------------------------------
+# plan run / plan verify
+# ----------------------------------------------------------------------------------------
+
+@app.command()
+def run(
+    plan_path: Path = typer.Argument(Path("plan.json"), metavar="[PLAN]"),
+    steps: Optional[int] = typer.Option(None, help="Training steps (default: the runtime's)."),
+    run_out: Optional[Path] = typer.Option(None, "--out", help="Where rank 0 writes run.json."),
+    nnodes: int = typer.Option(1, help="Nodes (torchrun --nnodes)."),
+    node_rank: int = typer.Option(0, help="This node's rank (torchrun --node-rank)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (several nodes)."),
+    print_only: bool = typer.Option(False, "--print", help="Only print the torchrun command."),
+):
+    """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`)."""
+    import shlex
+    import subprocess
+    from planner.plan import load_plan
+    try:
+        plan = load_plan(plan_path)
+        from runtime.launch import build_command
+        cmd = build_command(str(plan_path), plan, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                            steps=steps, out=str(run_out) if run_out else None)
+    except expected_errors() as e:
+        fail(str(e))
+    out.print(shlex.join(cmd), highlight=False, soft_wrap=True)
+    if print_only:
+        return
+    code = subprocess.call(cmd)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def verify(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    run_path: Path = typer.Argument(..., metavar="RUN"),
+    tolerance: float = typer.Option(3.0, help="Largest memory error (percent) that passes."),
+):
+    """Predicted vs measured peak memory and step time, per stage; non-zero exit past --tolerance."""
+    from planner.plan import load_plan
+    from planner.verify import VerifyError, compare, load_run
+    try:
+        plan = load_plan(plan_path)
+        run_doc = load_run(run_path)
+        rows, step = compare(plan, plan_path, run_doc)
+    except expected_errors() + (VerifyError,) as e:
+        fail(str(e))
+    t = Table(title=f"predicted vs measured: {plan_path} / {run_path}")
+    for col in ("stage", "ranks", "predicted MiB", "measured MiB", "error"):
+        t.add_column(col, justify="right")
+    worst = 0.0
+    for r in rows:
+        worst = max(worst, abs(r.error_pct))
+        colour = "green" if abs(r.error_pct) <= min(1.0, tolerance) else ("yellow" if abs(r.error_pct) <= tolerance else "red")
+        t.add_row(str(r.stage), ",".join(str(x) for x in r.ranks), mib(r.predicted), mib(r.measured),
+                  f"[{colour}]{r.error_pct:+.2f}%[/]")
+    out.print(t)
+    out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%; "
+              f"time is indicative on CPU processes)")
+    if worst > tolerance:
+        err.print(f"[bold red]memory error {worst:.2f}% exceeds --tolerance {tolerance}%[/]")
+        raise typer.Exit(1)
+
+
+def print_run(doc: dict) -> None:
+    t = Table(title=f"run of {doc.get('plan_path')}: {doc.get('world_size')} ranks, {doc.get('steps')} steps")
+    for col in ("rank", "pp", "dp", "tp", "peak MiB", "median step s"):
+        t.add_column(col, justify="right")
+    for r in doc.get("ranks", []):
+        t.add_row(str(r["rank"]), str(r["pp_rank"]), str(r["dp_rank"]), str(r["tp_rank"]), mib(r["peak_bytes"]),
+                  f"{r['median_step_s']:.4f}")
+    out.print(t)
+    out.print("losses: " + ", ".join(f"{x:.4f}" for x in doc.get("losses", [])))
+
+
+if __name__ == "__main__":
+    sys.exit(app())

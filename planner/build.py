@@ -1,0 +1,117 @@
+"""Turn the search's answer into the plan document, and say why when nothing fits."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from profiles.schema import Profile
+
+from .cost import CostModel, Prediction
+from .hardware import Hardware
+from .plan import LayerChoice, OptimizerConfig, Plan, Stage
+from .search import SearchResult, Solution, SolveOptions, search
+
+
+def prediction_json(pred: Prediction) -> dict:
+    return {
+        "stages": [{
+            "index": s.index,
+            "layers": s.layers,
+            **{f"{k}_bytes": v for k, v in s.memory.categories().items()},
+            "peak_phase": s.memory.phase,
+            "micro_batch_s": s.micro_batch_s,
+            "step_extra_s": s.step_extra_s,
+        } for s in pred.stages],
+        "peak_bytes": pred.peak_bytes,
+        "step_time_s": pred.step_s,
+        "components_s": pred.components,
+        "samples_per_s": pred.samples_per_s,
+        "mfu": pred.mfu,
+    }
+
+
+def summary(sol: Solution) -> dict:
+    """One line of the top-K table, as the plan's `alternatives` records it."""
+    c, p = sol.candidate, sol.prediction
+    return {
+        "dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero,
+        "schedule": c.schedule, "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
+        "checkpointed_layers": [i for st in sol.stages for i, ck, _ in st if ck],
+        "offloaded_layers": [i for st in sol.stages for i, _, off in st if off],
+        "stage_layers": [[i for i, _, _ in st] for st in sol.stages],
+        "step_time_s": p.step_s, "samples_per_s": p.samples_per_s, "mfu": p.mfu,
+        "stage_peak_bytes": [s.memory.peak for s in p.stages],
+    }
+
+
+def launch_command(world_size: int, gpus_per_node: int, plan_path: str) -> str:
+    per_node = min(world_size, gpus_per_node)
+    nnodes = -(-world_size // per_node)
+    nodes = f" --nnodes {nnodes} --node-rank <node rank> --rdzv-endpoint <host:port>" if nnodes > 1 else ""
+    return f"torchrun --nproc-per-node {per_node}{nodes} -m runtime {plan_path}"
+
+
+def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_path: str, hw: Hardware,
+               opts: SolveOptions, memory_limit: int, plan_path: str) -> Plan:
+    c = sol.candidate
+    stages = [Stage(index=s, layers=[LayerChoice(i, bool(ck), bool(off)) for i, ck, off in st])
+              for s, st in enumerate(sol.stages)]
+    return Plan(
+        profile={"path": profile_path, "sha256": hashlib.sha256(Path(profile_path).read_bytes()).hexdigest()},
+        model=dict(profile.model),
+        hardware=hw.to_json(),
+        device_type=hw.device_type,
+        world_size=c.world_size,
+        gpus_per_node=opts.node_size,
+        dp=c.dp, tp=c.tp, pp=c.pp, zero=c.zero,
+        schedule=c.schedule,
+        micro_batch_size=c.micro_batch_size,
+        num_micro_batches=c.num_micro_batches,
+        global_batch=c.global_batch,
+        precision=profile.precision,
+        optimizer=OptimizerConfig(name=profile.optimizer),
+        stages=stages,
+        seq_len=profile.seq_len,
+        memory_limit_bytes=memory_limit,
+        predicted=prediction_json(sol.prediction),
+        launch=launch_command(c.world_size, opts.node_size, plan_path),
+        alternatives=[summary(o) for o in others],
+    )
+
+
+def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, memory_limit: int) -> list[str]:
+    """Sentences for the user when no layout fits: how far off, and what would fit."""
+    lines = []
+    if result.closest:
+        cand, need = result.closest
+        lines.append(f"The smallest layout ({cand.describe()}) needs at least {gib(need)} per GPU, "
+                     f"{gib(need - memory_limit)} more than the {gib(memory_limit)} limit.")
+        lines.append(f"It would fit with --memory-limit {gib_flag(need)} or a GPU with that much usable memory.")
+    for factor in (2, 4, 8):
+        more = SolveOptions(**{**opts.__dict__, "gpus": opts.gpus * factor, "top_k": 1,
+                               "dp": None, "global_batch": opts.batch})
+        try:
+            found = search(profile, more)
+        except Exception:  # noqa: BLE001 - pinned flags may not scale; then say nothing about it
+            continue
+        if found.solutions:
+            lines.append(f"With --gpus {more.gpus} it fits: {found.solutions[0].candidate.describe()}.")
+            break
+    if opts.micro_batch and opts.micro_batch > 1:
+        lines.append("A smaller --micro-batch (or leaving it unpinned) lowers activation memory.")
+    if opts.checkpoint == "none" or opts.offload == "none":
+        lines.append("Allowing --checkpoint auto and --offload auto lowers memory further.")
+    return lines
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def gib_flag(n: float) -> str:
+    return f"{-(-int(n) // 2**20)}MiB"
+
+
+def cost_model(profile: Profile, hw: Hardware, opts: SolveOptions) -> CostModel:
+    return CostModel(profile, hw, opts.node_size, opts.memory_limit)

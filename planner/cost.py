@@ -1,0 +1,414 @@
+"""The cost model: memory and step time of a layout, per rank, from a profile. Torch-free.
+
+A layout is a `Candidate` (parallel degrees, micro-batching, ZeRO stage, schedule) plus a
+choice per layer (pipeline stage, checkpointing, offload). `CostModel.layer` turns one
+layer's profile figures into what that layer costs one rank under the candidate
+(`LayerCost`: a `LayerMemory` for the memory walk, and times); `CostModel.evaluate` puts the
+layers of every stage together into a `Prediction`. The MILP in `milp.py` uses the same
+`LayerCost`s, so the two can only differ in how they add them up, which the tests check.
+
+How each knob is costed (it mirrors what runtime/ does):
+- tensor parallelism (tp): the profile's tp = 2 measurements split every figure into a
+  replicated and a sharded part, f(t) = r + s/t; parameter bytes come from the shapes and
+  the dim the tp_plan shards; each all-reduce the layer's TP collectives run costs a ring
+  all-reduce inside the node.
+- data parallelism and ZeRO: the plain path (no wrapper) when dp == 1, no layer is
+  offloaded and precision is not mixed; otherwise every layer is an FSDP2 unit:
+  zero 3 and offloaded layers `fully_shard` (reshard after forward), zero 2 `fully_shard`
+  without resharding after forward, zero 0/1 FSDP-based `replicate` (zero 1 adds a sharded
+  optimizer). Sharded sizes are FSDP2's: dim 0 padded to a multiple of dp.
+- pipeline parallelism: per stage, the schedule's order of forwards and backwards (see
+  memory.schedule_actions); the stage input and output of every in-flight micro-batch are
+  held; step time (m + pp - 1) x the slowest stage's time per micro-batch.
+- checkpointing: the layer's checkpointed figures; its forward runs again in backward.
+- offload: the layer's parameters, gradients and optimizer states leave the device; each
+  micro-batch copies its parameter shard in (forward and backward) and its gradient shard
+  out; the host runs the optimizer step for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from profiles.schema import LayerProfile, LayerSample, Profile
+
+from .hardware import Hardware
+from .memory import LayerMemory, StageMemory, in_flight, schedule_actions, walk_stage
+
+ITEMSIZE = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """Everything about a layout except the per-layer choices."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    zero: int            # 0..3; with dp == 1 only 0 (no one to shard with) unless offloading
+    schedule: str        # "1f1b" | "gpipe"; "1f1b" when pp == 1
+    fsdp: bool           # every layer an FSDP2 unit (False: the plain path, no wrapper)
+    allow_offload: bool  # the per-layer offload choice is open (needs fsdp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    def describe(self) -> str:
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} b{self.micro_batch_size}x{self.num_micro_batches} "
+                f"zero{self.zero} {self.schedule if self.pp > 1 else ''}").strip()
+
+
+@dataclass
+class LayerCost:
+    """What one layer costs one rank under a candidate and a choice."""
+
+    memory: LayerMemory
+    gathered: int          # bytes alive from the layer's forward to its backward outside `memory` (FSDP unsharded copy kept)
+    compute_s: float       # forward + backward (+ recompute) per micro-batch
+    comm_s: float          # exposed collective time per micro-batch (TP all-reduces, FSDP gathers / reduce-scatters)
+    offload_s: float       # host<->device copies per micro-batch
+    step_s: float          # once per step: optimizer step (device or host)
+    dp_sync_bytes: int     # gradient bytes all-reduced once per step (replicate), 0 otherwise
+    model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
+
+
+@dataclass
+class StagePrediction:
+    index: int
+    layers: list[int]
+    memory: StageMemory
+    micro_batch_s: float    # one micro-batch's forward + backward on this stage, comms included
+    step_extra_s: float     # once per step: exposed gradient sync + optimizer
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    stages: list[StagePrediction]
+    step_s: float
+    components: dict[str, float]
+    samples_per_s: float
+    mfu: float
+    memory_limit: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.memory.peak for s in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.memory_limit
+
+
+def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring all-reduce: 2(n-1)/n of the data over the slowest link, 2(n-1) latency steps."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def ring_gather_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring all-gather or reduce-scatter of `nbytes` (the unsharded size)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+def uses_fsdp(dp: int, precision: str, any_offload: bool) -> bool:
+    """Whether the runtime wraps layers as FSDP2 units (else the plain path)."""
+    return dp > 1 or precision == "mixed" or any_offload
+
+
+class CostModel:
+    """Costs of layouts for one profile on one kind of hardware."""
+
+    def __init__(self, profile: Profile, hardware: Hardware, gpus_per_node: int | None = None,
+                 memory_limit: int | None = None):
+        self.profile = profile
+        self.hw = hardware
+        self.gpus_per_node = gpus_per_node or hardware.gpus_per_node
+        self.memory_limit = memory_limit or hardware.usable_memory_bytes()
+        self.precision = profile.precision
+        self.store_isz = 2 if profile.precision == "bf16" else 4          # parameters, gradients, states
+        self.compute_isz = 4 if profile.precision == "fp32" else 2        # the copy compute runs on
+        self.measured_here = self._times_transfer()
+        self._cache: dict = {}
+
+    # -- hardware ---------------------------------------------------------------------
+    def _times_transfer(self) -> bool:
+        """Use the profile's measured times as they are (same kind of device), else roofline."""
+        p = self.profile
+        if p.method != "measured":
+            return p.hardware == self.hw.name
+        if p.device_type == "cpu":
+            return self.hw.device_type == "cpu"
+        return self.hw.device_type == "cuda" and _same_gpu(p.device, self.hw.name)
+
+    def _times(self, s: LayerSample) -> tuple[float, float]:
+        if self.measured_here:
+            return s.fwd_s, s.bwd_s
+        peak = self.hw.flops(self.precision)
+        bw = self.hw.hbm_bandwidth
+        return s.fwd_flops / peak + s.fwd_io_bytes / bw, s.bwd_flops / peak + s.bwd_io_bytes / bw
+
+    def _link(self, group_span: int) -> tuple[float, float]:
+        """Bandwidth and latency for a group whose ranks span `group_span` consecutive ranks."""
+        if group_span <= self.gpus_per_node:
+            return self.hw.intra_node_bandwidth, self.hw.intra_node_latency
+        return self.hw.inter_node_bandwidth, self.hw.inter_node_latency
+
+    # -- one layer --------------------------------------------------------------------
+    def layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
+        key = (cand, i, checkpoint, offload)
+        if key not in self._cache:
+            self._cache[key] = self._layer(cand, i, checkpoint, offload)
+        return self._cache[key]
+
+    def loss(self, cand: Candidate) -> LayerCost:
+        key = (cand, "loss")
+        if key not in self._cache:
+            s = self.profile.loss.at(cand.micro_batch_size)
+            mem = LayerMemory(0, 0, 0, 0, s.input_bytes, s.output_bytes,
+                              own=s.saved_bytes - s.saved_input_bytes - s.saved_output_bytes,
+                              keeps_input=s.saved_input_bytes > 0, keeps_output=s.saved_output_bytes > 0,
+                              fwd_transient=s.fwd_transient_bytes, bwd_peak=s.bwd_peak_bytes,
+                              bwd_accum_peak=s.bwd_accum_peak_bytes)
+            f, b = self._times(s)
+            self._cache[key] = LayerCost(mem, 0, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops)
+        return self._cache[key]
+
+    def _layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
+        lp = self.profile.layers[i]
+        s = lp.at_tp(cand.micro_batch_size, cand.tp)
+        d, t = cand.dp, cand.tp
+        shapes = local_shapes(lp, t)
+        full_numel = sum(_numel(sh) for sh in shapes)
+        n_tensors = len(shapes)
+
+        # Which FSDP2 unit this layer is, and the sizes that follow from it.
+        if not cand.fsdp:
+            mode = "plain"
+        elif offload or cand.zero == 3:
+            mode = "shard"
+        elif cand.zero == 2:
+            mode = "shard_keep"
+        else:
+            mode = "replicate"
+        if mode in ("shard", "shard_keep"):
+            shard_numel = sum(_padded_shard(sh, d) for sh in shapes)
+        else:
+            shard_numel = full_numel
+        reduce_isz = self.store_isz
+        weights = shard_numel * self.store_isz
+        grads = shard_numel * reduce_isz
+        optim = optimizer_bytes(self.profile.optimizer, shard_numel, n_tensors, self.store_isz)
+        if cand.fsdp and cand.zero == 1 and mode == "replicate":
+            optim = optimizer_bytes(self.profile.optimizer, -(-full_numel // d), n_tensors, self.store_isz)
+
+        unsharded = full_numel * self.compute_isz                 # the copy FSDP2 gathers compute onto
+        gather_flat = d * shard_numel * self.compute_isz if (mode in ("shard", "shard_keep") and d > 1) else 0
+        if offload:
+            weights = grads = optim = 0
+
+        if checkpoint:
+            own, keeps_in, keeps_out = s.ckpt_saved_bytes, True, False
+            fwd_t, bwd_p, bwd_a = s.ckpt_fwd_transient_bytes, s.ckpt_bwd_peak_bytes, s.ckpt_bwd_accum_peak_bytes
+        else:
+            own = s.saved_bytes - s.saved_input_bytes - s.saved_output_bytes
+            keeps_in, keeps_out = s.saved_input_bytes > 0, s.saved_output_bytes > 0
+            fwd_t, bwd_p, bwd_a = s.fwd_transient_bytes, s.bwd_peak_bytes, s.bwd_accum_peak_bytes
+
+        gathered = 0
+        if mode == "shard":
+            # Forward: gather (flat buffer + the unsharded copy), compute, free both.
+            fwd_t = unsharded + max(gather_flat, own + s.output_bytes + fwd_t) - own - s.output_bytes
+            # Backward: gather again; the gradients reduce-scatter through a flat buffer.
+            rs = d * shard_numel * reduce_isz if d > 1 else 0
+            # Unsharded gradients never accumulate: each micro-batch reduce-scatters its own.
+            bwd_p = bwd_a = unsharded + max(gather_flat, bwd_p + rs)
+        elif mode in ("shard_keep", "replicate"):
+            gathered = unsharded
+            rs = d * shard_numel * reduce_isz if (mode == "shard_keep" and d > 1) else 0
+            fwd_t = max(fwd_t, gather_flat - own - s.output_bytes)
+            bwd_p, bwd_a = bwd_p + rs, bwd_a + rs
+
+        mem = LayerMemory(weights=weights, grads=grads, optim=optim, buffers=lp.buffer_bytes,
+                          input=s.input_bytes, output=s.output_bytes, own=own, keeps_input=keeps_in,
+                          keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a)
+
+        # Time per micro-batch.
+        fwd_s, bwd_s = self._times(s)
+        compute = fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)
+        bw_tp, lat_tp = self._link(t)
+        tp_comm = sum(ring_allreduce_s(nbytes / max(count, 1), t, bw_tp, lat_tp) * count
+                      for nbytes, count in ((s.tp_fwd_comm_bytes, s.tp_fwd_comm_count),
+                                            (s.tp_bwd_comm_bytes, s.tp_bwd_comm_count)))
+        if checkpoint:
+            tp_comm += sum(ring_allreduce_s(s.tp_fwd_comm_bytes / max(s.tp_fwd_comm_count, 1), t, bw_tp, lat_tp)
+                           for _ in range(s.tp_fwd_comm_count))
+        bw_dp, lat_dp = self._link(d * t)
+        fsdp_comm = 0.0
+        if mode == "shard":
+            fsdp_comm = 2 * ring_gather_s(d * shard_numel * self.compute_isz, d, bw_dp, lat_dp) \
+                + ring_gather_s(d * shard_numel * reduce_isz, d, bw_dp, lat_dp)
+        elif mode == "shard_keep":
+            fsdp_comm = ring_gather_s(d * shard_numel * self.compute_isz, d, bw_dp, lat_dp) \
+                + ring_gather_s(d * shard_numel * reduce_isz, d, bw_dp, lat_dp)
+        # Collectives overlap the neighbouring layers' compute (FSDP2 prefetches); what
+        # exceeds this layer's compute is exposed. TP all-reduces sit on the critical path.
+        comm = tp_comm + max(0.0, fsdp_comm - compute)
+        offload_s = 0.0
+        step_s = self._optimizer_s(shard_numel if mode != "replicate" or cand.zero != 1 else -(-full_numel // d))
+        if offload:
+            h2d = self.hw.host_to_device_bandwidth
+            offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
+            step_s = shard_numel / self.hw.cpu_adam_params_per_s
+        dp_sync = full_numel * reduce_isz if (mode == "replicate" and d > 1) else 0
+        return LayerCost(mem, gathered, compute, comm, offload_s, step_s, dp_sync, s.fwd_flops + s.bwd_flops)
+
+    def _optimizer_s(self, numel: int) -> float:
+        """Fused optimizer step: bytes read and written per parameter over device bandwidth."""
+        touches = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}[self.profile.optimizer]
+        return numel * touches * self.store_isz / self.hw.hbm_bandwidth
+
+    # -- a whole layout -------------------------------------------------------------------
+    def stage_costs(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[list[LayerCost], LayerCost | None]:
+        costs = [self.layer(cand, i, ck, off) for i, ck, off in choices]
+        last = choices[-1][0] == self.profile.n_layers - 1
+        return costs, (self.loss(cand) if last else None)
+
+    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[int, int]:
+        """(bytes alive all step, bytes per in-flight micro-batch) outside the layers."""
+        b, m = cand.micro_batch_size, cand.num_micro_batches
+        first, last = choices[0][0], choices[-1][0]
+        static = 0
+        if first == 0:
+            static += int(self.profile.batch["input_bytes_per_sample"] * b * m)
+        if last == self.profile.n_layers - 1:
+            static += int(self.profile.batch["target_bytes_per_sample"] * b * m)
+        per_mb = 0
+        if cand.pp > 1:
+            s_in = self.profile.layers[first].at_tp(b, cand.tp)
+            s_out = self.profile.layers[last].at_tp(b, cand.tp)
+            if first > 0:
+                per_mb += s_in.input_bytes            # the received input, kept for its backward
+            if last < self.profile.n_layers - 1:
+                per_mb += s_out.output_bytes          # the output, kept until its gradient arrives
+        return static, per_mb
+
+    def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
+        costs, loss = self.stage_costs(cand, stage, choices)
+        static, per_mb = self.stage_buffers(cand, stage, choices)
+        gathered = sum(c.gathered for c in costs)
+        actions = schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches)
+        return walk_stage([c.memory for c in costs], loss.memory if loss else None,
+                          static_buffers=static, compute_buffers=gathered, actions=actions,
+                          per_micro_batch_buffers=per_mb, input_is_held=True)
+
+    def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
+        """(time per micro-batch, time once per step) of one stage."""
+        costs, loss = self.stage_costs(cand, stage, choices)
+        per_mb = sum(c.compute_s + c.comm_s + c.offload_s for c in costs) + (loss.compute_s if loss else 0.0)
+        per_mb += self.p2p_s(cand, choices)
+        bwd_window = sum(c.compute_s for c in costs) / 2
+        sync = ring_allreduce_s(sum(c.dp_sync_bytes for c in costs), cand.dp, *self._link(cand.dp * cand.tp))
+        per_step = max(0.0, sync - bwd_window) + sum(c.step_s for c in costs)
+        if cand.fsdp and cand.zero == 1 and cand.dp > 1:
+            # The sharded optimizer broadcasts every parameter from its owner after the step.
+            bw, lat = self._link(cand.dp * cand.tp)
+            per_step += sum(c.dp_sync_bytes for c in costs) / bw + cand.dp * lat
+        return per_mb, per_step
+
+    def p2p_s(self, cand: Candidate, choices: list[tuple[int, bool, bool]]) -> float:
+        """Sending activations forward and gradients back between pipeline stages, per micro-batch."""
+        if cand.pp == 1:
+            return 0.0
+        b = cand.micro_batch_size
+        first, last = choices[0][0], choices[-1][0]
+        nbytes = 0
+        if first > 0:
+            nbytes += self.profile.layers[first].at_tp(b, cand.tp).input_bytes
+        if last < self.profile.n_layers - 1:
+            nbytes += self.profile.layers[last].at_tp(b, cand.tp).output_bytes
+        bw, lat = self._link(cand.dp * cand.tp * 2)
+        return nbytes / bw + 2 * lat
+
+    def evaluate(self, cand: Candidate, stages: list[list[tuple[int, bool, bool]]]) -> Prediction:
+        """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order."""
+        preds = []
+        for s, choices in enumerate(stages):
+            mem = self.stage_memory(cand, s, choices)
+            per_mb, per_step = self.stage_times(cand, s, choices)
+            preds.append(StagePrediction(s, [c[0] for c in choices], mem, per_mb, per_step))
+        return self.finish(cand, preds)
+
+    def finish(self, cand: Candidate, preds: list[StagePrediction]) -> Prediction:
+        m, pp = cand.num_micro_batches, cand.pp
+        slowest = max(p.micro_batch_s for p in preds)
+        extra = max(p.step_extra_s for p in preds)
+        step = (m + pp - 1) * slowest + extra
+        flops = sum(self.layer(cand, i, False, False).model_flops for i in range(self.profile.n_layers)) \
+            + self.loss(cand).model_flops
+        # Per step: every dp replica runs m micro-batches; TP ranks each did 1/tp of the FLOPs
+        # already (the profile's tp figures), so count tp of them.
+        total_flops = flops * m * cand.dp * cand.tp
+        mfu = total_flops / (step * cand.world_size * self.hw.flops(self.precision)) if step > 0 else 0.0
+        comps = {
+            "compute": m * slowest,
+            "bubble": (pp - 1) * slowest,
+            "step_extra": extra,
+            "total": step,
+        }
+        return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,
+                          self.memory_limit)
+
+
+def _numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def local_shapes(lp: LayerProfile, tp: int) -> list[list[int]]:
+    """Each parameter's shape on one TP rank."""
+    out = []
+    for p in lp.params:
+        shape = list(p.shape)
+        if tp > 1 and p.tp_dim is not None:
+            shape[p.tp_dim] = -(-shape[p.tp_dim] // tp)
+        out.append(shape)
+    return out
+
+
+def _padded_shard(shape: list[int], d: int) -> int:
+    """Elements of one rank's FSDP2 shard: dim 0 padded to a multiple of d."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // d)
+    return rows * _numel(shape[1:])
+
+
+def optimizer_bytes(optimizer: str, numel: int, n_tensors: int, itemsize: int) -> int:
+    """States of the fused torch.optim step (see profiles.measure.optimizer_state_bytes)."""
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "momentum":
+        return numel * itemsize
+    return 2 * numel * itemsize + 4 * n_tensors
+
+
+def _same_gpu(device_name: str, preset: str) -> bool:
+    name = device_name.lower().replace(" ", "")
+    key = preset.split("-")[0]
+    return key in name
+
+
+def tp_divides(profile: Profile, tp: int) -> bool:
+    """Every dimension the tp_plan shards splits evenly over tp ranks."""
+    return all(p.shape[p.tp_dim] % tp == 0 for l in profile.layers for p in l.params if p.tp_dim is not None)

@@ -1,0 +1,322 @@
+"""The MILP that lays layers out for one candidate: stage boundaries, checkpointing, offload.
+
+For a fixed `Candidate` (degrees, micro-batching, ZeRO, schedule) this chooses, to minimise
+the predicted step time within every stage's memory limit:
+  - contiguous pipeline stages (where the boundaries fall),
+  - which layers are checkpointed,
+  - which layers are offloaded to the host.
+
+Identical layers share variables. The model is cut into *runs* of consecutive identical
+layers (a GPT: embedding, N blocks, head). For each run r, stage s and choice c (a
+checkpoint / offload combination) one integer variable counts the run's layers in that
+stage with that choice; inside a stage a run's layers appear in a fixed order of choices
+(checkpointed first: their recompute spike then meets the least kept activation memory).
+So the problem's size depends on the number of runs and stages, not on depth.
+
+Memory is exact for this layout space: within a homogeneous segment (same run, same choice)
+every live-bytes record of `memory.walk_stage` is linear in the position, so its maximum is
+at the segment's first or last layer; the MILP constrains exactly those records, each gated
+by whether the segment has one (or two) layers. A tensor two neighbouring layers keep is
+counted once: `kp` says whether the layer before a segment keeps its output.
+
+Time: every stage's time per micro-batch is at most `tau`; the step takes
+(m + pp - 1) * tau plus the slowest stage's once-per-step work `omega`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import pulp
+
+from .cost import Candidate, CostModel, ring_allreduce_s
+from .memory import LayerMemory, schedule_actions
+
+BIG = 1 << 50           # big-M for gating memory records (bytes)
+
+
+@dataclass(frozen=True)
+class Choice:
+    checkpoint: bool
+    offload: bool
+
+    def tag(self) -> str:
+        return ("ck" if self.checkpoint else "pl") + ("_off" if self.offload else "")
+
+
+def runs_of(signatures: list[str]) -> list[tuple[int, int]]:
+    """(first layer, length) of each run of consecutive layers with equal signatures."""
+    runs: list[tuple[int, int]] = []
+    for i, sig in enumerate(signatures):
+        if runs and signatures[runs[-1][0]] == sig:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+@dataclass
+class Scenario:
+    """How many other micro-batches are in flight in each kind of record of one stage."""
+
+    f_nograd: int | None     # forwards before any backward
+    f_grad: int | None       # forwards after a backward (all gradients allocated)
+    b_first: int             # the step's first backward (gradients appear layer by layer)
+    b_later: int | None      # later backwards (all gradients allocated)
+
+
+def scenarios(cand: Candidate, stage: int) -> Scenario:
+    f0 = f1 = b1 = None
+    b0 = 0
+    held, seen_b = 0, False
+    for kind, _ in schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches):
+        if kind == "F":
+            if seen_b:
+                f1 = max(f1 or 0, held)
+            else:
+                f0 = max(f0 or 0, held)
+            held += 1
+        else:
+            held -= 1
+            if not seen_b:
+                b0, seen_b = held, True
+            else:
+                b1 = max(b1 or 0, held)
+    return Scenario(f0, f1, b0, b1)
+
+
+@dataclass
+class Layout:
+    """The MILP's answer: per stage, (layer, checkpoint, offload) in order; or why not."""
+
+    status: str                                   # "optimal" | "infeasible" | solver status
+    stages: list[list[tuple[int, bool, bool]]] | None
+    objective: float | None
+
+
+def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "cbc",
+                 time_limit: float | None = None) -> Layout:
+    """Solve the layout MILP for one candidate."""
+    prof = model.profile
+    runs = runs_of([l.signature for l in prof.layers])
+    R, S = len(runs), cand.pp
+    m = cand.num_micro_batches
+    limit = model.memory_limit
+    prob = pulp.LpProblem(f"layout_{cand.describe().replace(' ', '_')}", pulp.LpMinimize)
+
+    # -- variables -----------------------------------------------------------------------
+    # L[r,s,c]: layers of run r in stage s with choice c.
+    L = {(r, s, c): pulp.LpVariable(f"L_r{r}_s{s}_{c.tag()}", 0, runs[r][1], cat="Integer")
+         for r in range(R) for s in range(S) for c in choices}
+    # e: the segment (r, s, c) has a layer; f: it has two or more.
+    e = {k: pulp.LpVariable(f"e_{v.name[2:]}", cat="Binary") for k, v in L.items()}
+    f = {k: pulp.LpVariable(f"f_{v.name[2:]}", cat="Binary") for k, v in L.items()}
+    # full[r,s]: stages 0..s hold all of run r; started[r,s]: they hold some of it.
+    full = {(r, s): pulp.LpVariable(f"full_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
+    started = {(r, s): pulp.LpVariable(f"started_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
+    # first[r,s]: stage s starts inside run r (defined for s >= 1, linear in `full`).
+    # kp[r,s,c]: the layer before segment (r,s,c) keeps its output; E[r,s,c]: after the
+    # segment, the last layer so far keeps its output. Upper-bounded by the truth; they only
+    # lower memory, so the solver sets them to it whenever memory binds.
+    kp = {k: pulp.LpVariable(f"kp_{v.name[2:]}", 0, 1) for k, v in L.items()}
+    E = {k: pulp.LpVariable(f"E_{v.name[2:]}", 0, 1) for k, v in L.items()}
+    tau = pulp.LpVariable("tau", 0)            # slowest stage's time per micro-batch (s)
+    omega = pulp.LpVariable("omega", 0)        # slowest stage's once-per-step work (s)
+    exposed = {s: pulp.LpVariable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward
+
+    prob += (m + S - 1) * tau + omega, "step_time"
+
+    # -- layer costs per (run, choice); every layer of a run costs the same -----------------
+    cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in choices}
+    loss = model.loss(cand)
+
+    # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
+    for r, (start, length) in enumerate(runs):
+        prob += pulp.lpSum(L[r, s, c] for s in range(S) for c in choices) == length, f"run{r}_all_layers_placed"
+        for s in range(S):
+            cum = pulp.lpSum(L[r, t, c] for t in range(s + 1) for c in choices)
+            prob += cum >= length * full[r, s], f"full_r{r}_s{s}_means_all"
+            prob += full[r, s] >= cum - (length - 1), f"full_r{r}_s{s}_when_all"
+            prob += cum <= length * started[r, s], f"started_r{r}_s{s}_when_any"
+            prob += started[r, s] <= cum, f"started_r{r}_s{s}_means_any"
+            if r + 1 < R:
+                prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
+    for s in range(S):
+        prob += pulp.lpSum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
+    if cand.fsdp and cand.dp == 1 and prof.precision != "mixed":
+        # One rank without mixed precision wraps layers in FSDP2 only to offload them; a layout
+        # offloading nothing runs on the plain path, which is another candidate.
+        prob += pulp.lpSum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
+    for k in L:
+        length = runs[k[0]][1]
+        prob += L[k] >= e[k], f"e_{L[k].name[2:]}_lo"
+        prob += L[k] <= length * e[k], f"e_{L[k].name[2:]}_hi"
+        prob += L[k] >= 2 * f[k], f"f_{L[k].name[2:]}_lo"
+        prob += L[k] <= 1 + length * f[k], f"f_{L[k].name[2:]}_hi"
+
+    def first_in(r: int, s: int):
+        """1 if stage s (s >= 1) starts inside run r."""
+        before = 1 if r == 0 else full[r - 1, s - 1]
+        return before - full[r, s - 1]
+
+    run_input = [prof.layers[start].at_tp(cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
+
+    for s in range(S):
+        last_stage = s == S - 1
+        seg = [(r, c) for r in range(R) for c in choices]      # the stage's segments, in order
+        mem = {k: cost[k].memory for k in seg}
+
+        # "Keeps output" chain: E after each segment, kp before it.
+        prev_E = 1                                               # the stage input is held by the caller
+        for (r, c) in seg:
+            k = (r, s, c)
+            ko = 1 if mem[r, c].keeps_output else 0
+            prob += kp[k] <= prev_E, f"kp_{L[k].name[2:]}_chain"
+            prob += kp[k] <= e[k], f"kp_{L[k].name[2:]}_exists"
+            prob += E[k] <= ko + (1 - e[k]), f"E_{L[k].name[2:]}_own"
+            prob += E[k] <= prev_E + e[k], f"E_{L[k].name[2:]}_pass"
+            prev_E = E[k]
+
+        # Stage input / output held per in-flight micro-batch (pipeline caches) and p2p bytes.
+        stage_in = pulp.lpSum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
+        stage_out = pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage else 0
+        pmb = stage_in + stage_out if S > 1 else 0
+
+        # What each segment keeps for backward in one micro-batch, and its prefix sums.
+        def seg_total(r, c):
+            k, lm = (r, s, c), mem[r, c]
+            a_in = lm.own + (lm.output if lm.keeps_output else 0) + (lm.input if (lm.keeps_input and not lm.keeps_output) else 0)
+            ki = 1 if lm.keeps_input else 0
+            ko = 1 if lm.keeps_output else 0
+            # a_first - a_in = in * ki * (ko - kp): the first layer counts its input unless the layer before keeps it.
+            return a_in * L[k] + lm.input * ki * ko * e[k] - lm.input * ki * kp[k], a_in
+
+        totals = {k: seg_total(*k) for k in seg}
+        # The loss, on the last stage, after all segments.
+        loss_add = 0
+        if last_stage:
+            lm = loss.memory
+            loss_kp = prev_E
+            loss_add = lm.own + (lm.output if lm.keeps_output else 0) + (lm.input * (1 - loss_kp) if lm.keeps_input else 0)
+        per_mb = pmb + pulp.lpSum(t for t, _ in totals.values()) + loss_add
+
+        weights = pulp.lpSum(mem[r, c].weights * L[r, s, c] for r, c in seg)
+        optim = pulp.lpSum(mem[r, c].optim * L[r, s, c] for r, c in seg)
+        grads_all = pulp.lpSum(mem[r, c].grads * L[r, s, c] for r, c in seg)
+        bufs = pulp.lpSum(mem[r, c].buffers * L[r, s, c] for r, c in seg)
+        gathered = pulp.lpSum(cost[r, c].gathered * L[r, s, c] for r, c in seg)
+        static_batch, _ = _static_batch(model, cand, s)
+        static = weights + optim + bufs + static_batch
+        compute_static = static + gathered
+
+        sc = scenarios(cand, s)
+        prob += static + grads_all <= limit, f"mem_s{s}_optimizer_step"
+
+        prefix = 0                      # kept activations of the segments before this one
+        for idx, (r, c) in enumerate(seg):
+            k, lm = (r, s, c), mem[r, c]
+            total, a_in = totals[r, c]
+            g_after = pulp.lpSum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
+            gout = lm.output
+            f_first = lm.input * (1 - kp[k]) + lm.own + lm.output + lm.fwd_transient
+            f_last = total - a_in + lm.input * (0 if lm.keeps_output else 1) + lm.own + lm.output + lm.fwd_transient
+            name = L[k].name[2:]
+            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all)):
+                if held is None:
+                    continue
+                base = compute_static + held * per_mb + pmb + prefix + grads
+                prob += base + f_first <= limit + BIG * (1 - e[k]), f"mem_{name}_{tag}_first"
+                prob += base + f_last <= limit + BIG * (1 - f[k]), f"mem_{name}_{tag}_last"
+            # First backward: gradients of later layers exist, this segment's appear one by one.
+            base = compute_static + sc.b_first * per_mb + pmb + prefix + g_after + gout + lm.bwd_peak
+            a_first = a_in + lm.input * (1 if lm.keeps_input else 0) * ((1 if lm.keeps_output else 0) - kp[k])
+            prob += base + a_first + lm.grads * (L[k] - 1) <= limit + BIG * (1 - e[k]), f"mem_{name}_b0_first"
+            prob += base + total <= limit + BIG * (1 - e[k]), f"mem_{name}_b0_last"
+            if sc.b_later is not None:
+                base = compute_static + sc.b_later * per_mb + pmb + prefix + grads_all + gout + lm.bwd_accum_peak
+                prob += base + total <= limit + BIG * (1 - e[k]), f"mem_{name}_b1_last"
+            prefix = prefix + total
+        if last_stage:
+            lm = loss.memory
+            x_extra = lm.input * (1 - loss_kp)
+            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all)):
+                if held is None:
+                    continue
+                prob += (compute_static + held * per_mb + pmb + prefix + grads + x_extra + lm.own + lm.output
+                         + lm.fwd_transient <= limit), f"mem_s{s}_loss_{tag}"
+            prob += (compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak <= limit), f"mem_s{s}_loss_b0"
+            if sc.b_later is not None:
+                prob += (compute_static + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
+                         + lm.bwd_accum_peak <= limit), f"mem_s{s}_loss_b1"
+
+        # -- time -----------------------------------------------------------------------
+        per_mb_time = pulp.lpSum((cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s) * L[r, s, c]
+                                 for r, c in seg)
+        if last_stage:
+            per_mb_time += loss.compute_s
+        if S > 1:
+            bw, lat = model._link(cand.dp * cand.tp * 2)
+            per_mb_time += (stage_in + stage_out) * (1 / bw) + 2 * lat
+        prob += tau >= per_mb_time, f"time_s{s}_per_micro_batch"
+        sync_bytes = pulp.lpSum(cost[r, c].dp_sync_bytes * L[r, s, c] for r, c in seg)
+        once = pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg)
+        if cand.dp > 1 and any(cost[k].dp_sync_bytes for k in cost):
+            bw, lat = model._link(cand.dp * cand.tp)
+            sync = sync_bytes * (2 * (cand.dp - 1) / cand.dp / bw) + 2 * (cand.dp - 1) * lat
+            window = pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg) * 0.5
+            prob += exposed[s] >= sync - window, f"time_s{s}_exposed_sync"
+            if cand.zero == 1:
+                once += sync_bytes * (1 / bw) + cand.dp * lat
+        prob += omega >= exposed[s] + once, f"time_s{s}_once_per_step"
+
+    status = _solve(prob, solver, time_limit)
+    if status != "optimal":
+        return Layout(status, None, None)
+
+    stages: list[list[tuple[int, bool, bool]]] = []
+    placed = {r: runs[r][0] for r in range(R)}
+    for s in range(S):
+        layers = []
+        for r in range(R):
+            for c in choices:
+                for _ in range(round(L[r, s, c].value())):
+                    layers.append((placed[r], c.checkpoint, c.offload))
+                    placed[r] += 1
+        stages.append(layers)
+    return Layout("optimal", stages, pulp.value(prob.objective))
+
+
+def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
+    """Batch bytes held all step by stage s (inputs on the first stage, targets on the last)."""
+    b, m = cand.micro_batch_size, cand.num_micro_batches
+    static = 0
+    if s == 0:
+        static += int(model.profile.batch["input_bytes_per_sample"] * b * m)
+    if s == cand.pp - 1:
+        static += int(model.profile.batch["target_bytes_per_sample"] * b * m)
+    return static, 0
+
+
+def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
+    """Run the solver with explicit options; return "optimal", "infeasible" or the status."""
+    if solver == "highs":
+        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
+    else:
+        # Single-threaded CBC is deterministic: the same problem gives the same answer.
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, options=["randomSeed 1", "randomCbcSeed 1"])
+    prob.solve(cmd)
+    status = pulp.LpStatus[prob.status]
+    if status == "Optimal":
+        return "optimal"
+    if status == "Infeasible":
+        return "infeasible"
+    return status.lower()
+
+
+def choices_for(checkpoint: str, offload: str, allow_offload: bool) -> list[Choice]:
+    """The per-layer choices open to the solver (checkpoint: none|all|auto; offload: none|auto)."""
+    cks = {"none": [False], "all": [True], "auto": [True, False]}[checkpoint]
+    offs = [True, False] if (offload == "auto" and allow_offload) else [False]
+    # Canonical order inside a run's stretch of a stage: checkpointed before not, offloaded before not.
+    return [Choice(ck, off) for ck, off in product(cks, offs)]

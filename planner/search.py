@@ -1,0 +1,289 @@
+"""The search: every candidate layout, pruned by proven bounds, each solved by the MILP.
+
+A candidate fixes the parallel degrees (dp, tp, pp), the micro-batch size and count, the
+ZeRO stage and the pipeline schedule; `milp.solve_layout` then places layers, checkpointing
+and offload. Candidates are visited in order of a lower bound on their step time (perfect
+balance, nothing recomputed or offloaded); once that bound reaches the K-th best step time
+found, no later candidate can enter the top K and the search stops. A candidate whose
+memory lower bound exceeds the limit is skipped as infeasible. Nothing is sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from profiles.schema import Profile
+
+from .cost import Candidate, CostModel, Prediction, tp_divides
+from .hardware import Hardware
+from .milp import choices_for, solve_layout
+
+
+class SolveError(Exception):
+    """Flags that cannot describe any layout; the message is one sentence with the fix."""
+
+
+@dataclass
+class SolveOptions:
+    gpus: int
+    hardware: Hardware
+    gpus_per_node: int | None = None
+    global_batch: int | None = None          # default: 8 samples per GPU
+    memory_limit: int | None = None          # bytes per GPU; default: the hardware's usable memory
+    top_k: int = 5
+    solver: str = "cbc"
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch: int | None = None
+    zero: int | None = None
+    schedule: str | None = None
+    checkpoint: str = "auto"                 # none | all | auto
+    offload: str = "auto"                    # none | auto
+
+    @property
+    def node_size(self) -> int:
+        return self.gpus_per_node or self.hardware.gpus_per_node
+
+    @property
+    def batch(self) -> int:
+        return self.global_batch or 8 * self.gpus
+
+
+@dataclass
+class Solution:
+    candidate: Candidate
+    stages: list[list[tuple[int, bool, bool]]]
+    prediction: Prediction
+
+
+@dataclass
+class SearchResult:
+    solutions: list[Solution]                          # best first
+    candidates: int                                    # how many were enumerated
+    solved: int                                        # how many MILPs ran
+    pruned: int                                        # skipped by the time bound
+    infeasible: int                                    # proven not to fit (bound or MILP)
+    closest: tuple[Candidate, int] | None = None       # when nothing fits: the layout with the smallest peak, and that peak
+    notes: list[str] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_options(profile: Profile, opts: SolveOptions) -> None:
+    """Impossible flags fail before any work, with one sentence each."""
+    n = opts.gpus
+    if n < 1:
+        raise SolveError(f"--gpus is {n}; give a positive number of GPUs.")
+    for name in ("dp", "tp", "pp", "micro_batch"):
+        v = getattr(opts, name)
+        if v is not None and v < 1:
+            raise SolveError(f"--{name.replace('_', '-')} is {v}; give a positive number.")
+    pinned = [getattr(opts, k) for k in ("dp", "tp", "pp") if getattr(opts, k)]
+    prod = 1
+    for v in pinned:
+        prod *= v
+    if n % prod:
+        raise SolveError(f"{n} GPUs cannot be split into the pinned degrees ({' x '.join(str(v) for v in pinned)} = {prod}); pin degrees whose product divides --gpus.")
+    if opts.dp and opts.tp and opts.pp and prod != n:
+        raise SolveError(f"--dp {opts.dp} x --tp {opts.tp} x --pp {opts.pp} = {prod} is not --gpus {n}; make the product equal the GPU count.")
+    if opts.pp and opts.pp > profile.n_layers:
+        raise SolveError(f"--pp {opts.pp} is more pipeline stages than the model's {profile.n_layers} layers; use --pp {profile.n_layers} or fewer.")
+    if opts.tp and not tp_divides(profile, opts.tp):
+        raise SolveError(f"--tp {opts.tp} does not divide the dimensions the model's tp_plan splits; use a tp that divides them.")
+    if opts.tp and opts.tp > opts.node_size:
+        raise SolveError(f"--tp {opts.tp} spans more than one node of {opts.node_size} GPUs; tensor parallelism stays inside a node, use --tp {opts.node_size} or less.")
+    g = opts.batch
+    if g < 1:
+        raise SolveError(f"--global-batch is {g}; give a positive number of samples.")
+    if opts.dp and g % opts.dp:
+        raise SolveError(f"--global-batch {g} is not divisible by --dp {opts.dp}; use a multiple of {opts.dp}.")
+    if opts.micro_batch and opts.dp and g % (opts.dp * opts.micro_batch):
+        raise SolveError(f"--global-batch {g} is not divisible by --dp {opts.dp} x --micro-batch {opts.micro_batch}; use a multiple of {opts.dp * opts.micro_batch}.")
+    if opts.micro_batch and g % opts.micro_batch:
+        raise SolveError(f"--global-batch {g} is not divisible by --micro-batch {opts.micro_batch}; use a multiple of it.")
+    if opts.zero is not None and opts.zero not in (0, 1, 2, 3):
+        raise SolveError(f"--zero {opts.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
+    if opts.schedule is not None and opts.schedule not in ("1f1b", "gpipe"):
+        raise SolveError(f"--schedule {opts.schedule} is not one the planner lays out; use 1f1b or gpipe.")
+    if opts.checkpoint not in ("none", "all", "auto"):
+        raise SolveError(f"--checkpoint {opts.checkpoint} is not one of none, all, auto.")
+    if opts.offload not in ("none", "auto"):
+        raise SolveError(f"--offload {opts.offload} is not one of none, auto.")
+    if opts.top_k < 1:
+        raise SolveError(f"--top is {opts.top_k}; give 1 or more.")
+    if opts.solver not in ("cbc", "highs"):
+        raise SolveError(f"--solver {opts.solver} is not cbc or highs.")
+    if not any(True for _ in enumerate_candidates(profile, opts)):
+        raise SolveError(f"no layout of {n} GPUs matches the pinned flags and a global batch of {g}; unpin a degree or change --global-batch.")
+
+
+def micro_batch_sizes(profile: Profile, per_replica: int, pinned: int | None) -> list[int]:
+    """Powers of two (and the measured sizes) that divide the per-replica batch, up to 8x the
+    largest measured size (beyond that the profile's linear fits are not trusted)."""
+    if pinned:
+        return [pinned] if per_replica % pinned == 0 else []
+    cap = 8 * max(profile.batch_sizes)
+    sizes = {b for b in profile.batch_sizes} | {1 << k for k in range(0, 20)}
+    return sorted(b for b in sizes if b <= min(cap, per_replica) and per_replica % b == 0)
+
+
+def enumerate_candidates(profile: Profile, opts: SolveOptions):
+    n, g = opts.gpus, opts.batch
+    for pp in divisors(n):
+        if pp > profile.n_layers or (opts.pp and pp != opts.pp):
+            continue
+        for tp in divisors(n // pp):
+            if (opts.tp and tp != opts.tp) or tp > opts.node_size or not tp_divides(profile, tp):
+                continue
+            dp = n // (pp * tp)
+            if (opts.dp and dp != opts.dp) or g % dp:
+                continue
+            for b in micro_batch_sizes(profile, g // dp, opts.micro_batch):
+                m = g // (dp * b)
+                for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
+                    if opts.schedule and pp > 1 and schedule != opts.schedule:
+                        continue
+                    if pp > 1 and schedule == "1f1b" and m < pp:
+                        continue
+                    for zero, fsdp, offload in _data_parallel_modes(profile, dp, opts):
+                        yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload)
+
+
+def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
+    """(zero, fsdp, allow_offload) the runtime can run for this dp degree."""
+    zeros = [opts.zero] if opts.zero is not None else [0, 1, 2, 3]
+    want_offload = opts.offload == "auto"
+    for zero in zeros:
+        if dp == 1:
+            # Nothing to shard with: the plain path, or FSDP2 units when offloading or mixed
+            # precision need them (zero 3: each unit's unsharded copy lives only while it computes).
+            if zero == 0 and profile.precision != "mixed":
+                yield 0, False, False
+            if zero in (0, 3) and (profile.precision == "mixed" or want_offload):
+                if zero == 3 or profile.precision == "mixed":
+                    yield zero, True, want_offload
+        else:
+            yield zero, True, want_offload
+
+
+def time_lower_bound(model: CostModel, cand: Candidate) -> float:
+    """No layout of this candidate is faster: perfect balance, no recompute, no offload."""
+    work = sum(_fastest(model, cand, i) for i in range(model.profile.n_layers)) + model.loss(cand).compute_s
+    return (cand.num_micro_batches + cand.pp - 1) * work / cand.pp
+
+
+def _fastest(model: CostModel, cand: Candidate, i: int) -> float:
+    c = model.layer(cand, i, False, False)
+    return c.compute_s + c.comm_s + c.offload_s
+
+
+def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
+    """No layout of this candidate needs less on its fullest rank.
+
+    Some stage holds at least 1/pp of the model states that cannot leave the device, and
+    every layer must fit its own smallest forward/backward footprint.
+    """
+    n = model.profile.n_layers
+    states = 0
+    single = 0
+    for i in range(n):
+        best_state, best_alone = None, None
+        for c in choices:
+            lc = model.layer(cand, i, c.checkpoint, c.offload)
+            m = lc.memory
+            st = m.weights + m.optim + m.grads
+            alone = m.weights + m.optim + m.buffers + lc.gathered + min(
+                m.input + m.own + m.output + m.fwd_transient, m.output + m.bwd_peak)
+            best_state = st if best_state is None else min(best_state, st)
+            best_alone = alone if best_alone is None else min(best_alone, alone)
+        states += best_state
+        single = max(single, best_alone)
+    return max(states // cand.pp, single)
+
+
+def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """The top-K fastest layouts that fit, best first."""
+    check_options(profile, opts)
+    model = CostModel(profile, opts.hardware, opts.node_size, opts.memory_limit)
+    cands = list(enumerate_candidates(profile, opts))
+    bounded = sorted(((time_lower_bound(model, c), c) for c in cands), key=lambda t: (t[0], t[1]))
+    result = SearchResult([], len(cands), 0, 0, 0)
+    closest: tuple[Candidate, int] | None = None
+    for k, (bound, cand) in enumerate(bounded):
+        if on_progress:
+            on_progress(k, len(bounded))
+        if len(result.solutions) >= opts.top_k and bound >= result.solutions[opts.top_k - 1].prediction.step_s:
+            result.pruned = len(bounded) - k
+            break
+        choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
+        need = memory_lower_bound(model, cand, choices)
+        if need > model.memory_limit:
+            result.infeasible += 1
+            if closest is None or need < closest[1]:
+                closest = (cand, need)
+            continue
+        result.solved += 1
+        layout = solve_layout(model, cand, choices, opts.solver)
+        if layout.stages is None:
+            result.infeasible += 1
+            if closest is None or need < closest[1]:
+                closest = (cand, need)
+            continue
+        stages = simplify(model, cand, layout.stages)
+        pred = model.evaluate(cand, stages)
+        result.solutions.append(Solution(cand, stages, pred))
+        result.solutions.sort(key=_rank)
+        del result.solutions[opts.top_k:]
+    if on_progress:
+        on_progress(len(bounded), len(bounded))
+    if not result.solutions:
+        result.closest = closest
+    return result
+
+
+def simplify(model: CostModel, cand: Candidate, stages):
+    """Drop checkpointing or offload the solver chose where it buys nothing.
+
+    The MILP only minimises step time, so a stage that is not the slowest may carry
+    checkpointing it does not need. Undo one layer's checkpoint or offload at a time (the
+    last one of its kind in a stage, keeping the canonical order) while the layout still
+    fits and is no slower.
+    """
+    best = model.evaluate(cand, stages)
+    changed = True
+    while changed:
+        changed = False
+        for s, st in enumerate(stages):
+            for flag in (1, 2):                       # 1: checkpoint, 2: offload
+                for j in reversed(range(len(st))):
+                    if not st[j][flag]:
+                        continue
+                    trial = [list(x) for x in stages]
+                    layer = list(st[j])
+                    layer[flag] = False
+                    trial[s][j] = tuple(layer)
+                    trial = [[tuple(x) for x in t] for t in trial]
+                    if cand.fsdp and cand.dp == 1 and model.precision != "mixed" and not any(o for t in trial for _, _, o in t):
+                        continue                      # this candidate exists only to offload
+                    pred = model.evaluate(cand, trial)
+                    if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):
+                        stages, best, changed = trial, pred, True
+                        break
+                if changed:
+                    break
+            if changed:
+                break
+    return stages
+
+
+def _rank(sol: Solution):
+    """Fastest first; ties to the smaller peak, then the simpler layout, then a fixed order."""
+    p = sol.prediction
+    ck = sum(c for st in sol.stages for _, c, _ in st)
+    off = sum(o for st in sol.stages for _, _, o in st)
+    return (round(p.step_s, 12), p.peak_bytes, ck + off, sol.candidate)
+

@@ -1,0 +1,63 @@
+"""Hold a run to its plan: predicted vs measured peak memory per stage, and step time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Plan
+
+RUN_SCHEMA_VERSION = 1
+
+
+class VerifyError(Exception):
+    """A run document that cannot be compared; the message is one sentence with the fix."""
+
+
+@dataclass
+class StageRow:
+    stage: int            # pipeline rank
+    ranks: list[int]      # the global ranks that hold it
+    predicted: int        # bytes
+    measured: int         # bytes: the largest peak among those ranks
+    error_pct: float      # (predicted - measured) / measured, percent
+
+
+def load_run(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise VerifyError(f"run {path} does not exist; create it with `plan run PLAN`.")
+    try:
+        doc = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VerifyError(f"run {path} is not valid JSON ({e}); run the plan again.") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "run":
+        raise VerifyError(f"{path} is not a run document; pass the run.json the runtime wrote.")
+    if doc.get("schema") != RUN_SCHEMA_VERSION:
+        raise VerifyError(f"run {path} has schema {doc.get('schema')!r}, this plan reads {RUN_SCHEMA_VERSION}; run the plan again.")
+    return doc
+
+
+def compare(plan: Plan, plan_path: str | Path, run: dict) -> tuple[list[StageRow], tuple[float, float]]:
+    """Rows per pipeline rank, and (predicted, measured) step seconds."""
+    sha = hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()
+    if run.get("plan_sha256") != sha:
+        raise VerifyError(f"the run was made from a different plan than {plan_path} (its hash differs); run this plan with `plan run {plan_path}`.")
+    try:
+        ranks = run["ranks"]
+        if run["world_size"] != plan.world_size or len(ranks) != plan.world_size:
+            raise VerifyError(f"the run has {len(ranks)} ranks but the plan has {plan.world_size}; run this plan again.")
+        stages = plan.predicted["stages"]
+        rows = []
+        for pp_rank in range(plan.pp):
+            mine = [r for r in ranks if r["pp_rank"] == pp_rank]
+            predicted = max(s["peak_bytes"] for s in stages if s["index"] % plan.pp == pp_rank)
+            measured = max(r["peak_bytes"] for r in mine)
+            rows.append(StageRow(pp_rank, [r["rank"] for r in mine], predicted, measured,
+                                 100.0 * (predicted - measured) / measured))
+        measured_step = max(r["median_step_s"] for r in ranks)
+    except (KeyError, TypeError, ValueError) as e:
+        raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
+    return rows, (plan.predicted["step_time_s"], measured_step)
