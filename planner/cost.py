@@ -29,12 +29,12 @@ How each knob is costed (it mirrors what runtime/ does):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from profiles.schema import LayerProfile, LayerSample, Profile
 
-from .hardware import Hardware
-from .memory import LayerMemory, StageMemory, in_flight, schedule_actions, walk_stage
+from .hardware import PRESETS, Hardware
+from .memory import LayerMemory, StageMemory, schedule_actions, walk_stage
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
@@ -369,6 +369,16 @@ class CostModel:
         }
         return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,
                           self.memory_limit)
+
+
+def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list[bool] | None = None,
+                       num_micro_batches: int = 1) -> StageMemory:
+    """Peak memory of plain training steps on one device (no wrapper): the simplest use of
+    the cost model, and the one PyTorch's MemTracker can referee directly."""
+    cand = Candidate(1, 1, 1, micro_batch_size, num_micro_batches, 0, "1f1b", False, False)
+    model = CostModel(profile, PRESETS["cpu"], 1, 1 << 62)   # memory does not depend on the hardware
+    checkpoint = checkpoint or [False] * profile.n_layers
+    return model.stage_memory(cand, 0, [(i, c, False) for i, c in enumerate(checkpoint)])
 
 
 def _numel(shape) -> int:

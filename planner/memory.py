@@ -102,13 +102,15 @@ def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
 
 def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_buffers: int,
                actions: list[tuple[str, int]], per_micro_batch_buffers: int = 0,
-               input_is_held: bool = True) -> StageMemory:
+               compute_buffers: int = 0, input_is_held: bool = True) -> StageMemory:
     """Walk one step of a stage holding `layers` (and the loss, on the last stage).
 
     static_buffers: bytes alive the whole step besides weights, grads and optimizer states
         (module buffers, this rank's batch, persistent communication buffers).
     per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers
         (the pipeline's cached stage input and output).
+    compute_buffers: bytes alive through every forward and backward but freed before the
+        optimizer step (unsharded parameters FSDP2 keeps between forward and backward).
     input_is_held: the first layer's input is alive anyway (the batch, or the pipeline's
         cached input), so it is never counted as an activation.
     """
@@ -124,8 +126,9 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
 
     timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
 
-    def record(phase, grads, acts):
-        timeline.append((phase, weights + optim + buffers + grads + acts, grads, acts))
+    def record(phase, grads, acts, compute=True):
+        extra = compute_buffers if compute else 0
+        timeline.append((phase, weights + optim + buffers + extra + grads + acts, grads, acts))
 
     held = 0                 # micro-batches between their F and their B
     grads_exist = False      # after the first backward, every gradient stays allocated
@@ -154,11 +157,11 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                 if i < len(layers):
                     grads_done += l.grads
             grads_exist = True
-    record("optimizer step", grads_all, 0)
+    record("optimizer step", grads_all, 0, compute=False)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])
-    return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim,
-                       activations=acts, buffers=buffers, timeline=[(p, v) for p, v, _, _ in timeline])
+    return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,
+                       buffers=live - weights - optim - g - acts, timeline=[(p, v) for p, v, _, _ in timeline])
 
 
 def _name(i: int, layers: list) -> str:

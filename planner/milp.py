@@ -25,6 +25,7 @@ Time: every stage's time per micro-batch is at most `tau`; the step takes
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from itertools import product
 
@@ -107,23 +108,23 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     # -- variables -----------------------------------------------------------------------
     # L[r,s,c]: layers of run r in stage s with choice c.
-    L = {(r, s, c): pulp.LpVariable(f"L_r{r}_s{s}_{c.tag()}", 0, runs[r][1], cat="Integer")
+    L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, runs[r][1], cat="Integer")
          for r in range(R) for s in range(S) for c in choices}
     # e: the segment (r, s, c) has a layer; f: it has two or more.
-    e = {k: pulp.LpVariable(f"e_{v.name[2:]}", cat="Binary") for k, v in L.items()}
-    f = {k: pulp.LpVariable(f"f_{v.name[2:]}", cat="Binary") for k, v in L.items()}
+    e = {k: prob.add_variable(f"e_{v.name[2:]}", cat="Binary") for k, v in L.items()}
+    f = {k: prob.add_variable(f"f_{v.name[2:]}", cat="Binary") for k, v in L.items()}
     # full[r,s]: stages 0..s hold all of run r; started[r,s]: they hold some of it.
-    full = {(r, s): pulp.LpVariable(f"full_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
-    started = {(r, s): pulp.LpVariable(f"started_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
+    full = {(r, s): prob.add_variable(f"full_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
+    started = {(r, s): prob.add_variable(f"started_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
     # first[r,s]: stage s starts inside run r (defined for s >= 1, linear in `full`).
     # kp[r,s,c]: the layer before segment (r,s,c) keeps its output; E[r,s,c]: after the
     # segment, the last layer so far keeps its output. Upper-bounded by the truth; they only
     # lower memory, so the solver sets them to it whenever memory binds.
-    kp = {k: pulp.LpVariable(f"kp_{v.name[2:]}", 0, 1) for k, v in L.items()}
-    E = {k: pulp.LpVariable(f"E_{v.name[2:]}", 0, 1) for k, v in L.items()}
-    tau = pulp.LpVariable("tau", 0)            # slowest stage's time per micro-batch (s)
-    omega = pulp.LpVariable("omega", 0)        # slowest stage's once-per-step work (s)
-    exposed = {s: pulp.LpVariable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward
+    kp = {k: prob.add_variable(f"kp_{v.name[2:]}", 0, 1) for k, v in L.items()}
+    E = {k: prob.add_variable(f"E_{v.name[2:]}", 0, 1) for k, v in L.items()}
+    tau = prob.add_variable("tau", 0)            # slowest stage's time per micro-batch (s)
+    omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (s)
+    exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward
 
     prob += (m + S - 1) * tau + omega, "step_time"
 
@@ -303,8 +304,12 @@ def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
     if solver == "highs":
         cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
     else:
-        # Single-threaded CBC is deterministic: the same problem gives the same answer.
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, options=["randomSeed 1", "randomCbcSeed 1"])
+        # The CBC bundled with PuLP 3, single-threaded with fixed seeds: the same problem gives
+        # the same answer.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # PuLP 4 moves CBC to an extra
+            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1,
+                                    options=["randomSeed 1", "randomCbcSeed 1"])
     prob.solve(cmd)
     status = pulp.LpStatus[prob.status]
     if status == "Optimal":

@@ -82,12 +82,13 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         v = getattr(opts, name)
         if v is not None and v < 1:
             raise SolveError(f"--{name.replace('_', '-')} is {v}; give a positive number.")
-    pinned = [getattr(opts, k) for k in ("dp", "tp", "pp") if getattr(opts, k)]
+    pinned = {k: getattr(opts, k) for k in ("dp", "tp", "pp") if getattr(opts, k)}
     prod = 1
-    for v in pinned:
+    for v in pinned.values():
         prod *= v
     if n % prod:
-        raise SolveError(f"{n} GPUs cannot be split into the pinned degrees ({' x '.join(str(v) for v in pinned)} = {prod}); pin degrees whose product divides --gpus.")
+        what = " x ".join(f"--{k} {v}" for k, v in pinned.items()) + (f" = {prod}" if len(pinned) > 1 else "")
+        raise SolveError(f"{n} GPUs cannot be split into the pinned degrees ({what}); pin degrees whose product divides --gpus.")
     if opts.dp and opts.tp and opts.pp and prod != n:
         raise SolveError(f"--dp {opts.dp} x --tp {opts.tp} x --pp {opts.pp} = {prod} is not --gpus {n}; make the product equal the GPU count.")
     if opts.pp and opts.pp > profile.n_layers:

@@ -88,8 +88,9 @@ class OpCost(TorchDispatchMode):
             self.all_reduce_count += 1
         elif packet in flop_registry:
             self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif packet not in _FREE_OPS and not func.is_view:
-            ins, _ = tree_flatten((args, kwargs))
+        elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
             outs, _ = tree_flatten(out)
-            self.io_bytes += _tensor_bytes(ins) + _tensor_bytes(outs)
+            if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
+                ins, _ = tree_flatten((args, kwargs))
+                self.io_bytes += _tensor_bytes(ins) + _tensor_bytes(outs)
         return out

@@ -19,6 +19,7 @@ from functools import wraps
 import torch
 import torch.nn as nn
 from torch.distributed._tools.common_utils import get_untyped_storages
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -27,6 +28,9 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None
+
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 class LiveMemory(TorchDispatchMode):
@@ -110,6 +114,9 @@ class LiveMemory(TorchDispatchMode):
         # Let DTensor lower itself to local-tensor ops first; those are what allocate.
         if DTensor is not None and any(t is DTensor for t in types):
             return NotImplemented
+        if func is _WAIT_TENSOR and active_fake_mode() is not None:
+            # Under FakeTensorMode wait_tensor returns a new tensor; eagerly it returns its input.
+            return args[0]
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._add, out)
         if self.live > self.peak:

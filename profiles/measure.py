@@ -25,6 +25,7 @@ import hashlib
 import json
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -113,8 +114,8 @@ def _needs_grad(x) -> bool:
 
 
 def _fresh_input(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach()
-    return x.requires_grad_(True) if _needs_grad(x) else x
+    """A leaf copy of x that asks for a gradient when x does (every layer's input but the batch)."""
+    return x.detach().requires_grad_(x.requires_grad)
 
 
 def _clear_grads(module: nn.Module, x: torch.Tensor | None = None) -> None:
@@ -193,15 +194,6 @@ def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[OpCost, OpCost]:
     return fwd, bwd
 
 
-def warm_up(fn: Callable, module: nn.Module, x: torch.Tensor) -> None:
-    """One untracked forward and backward: first calls allocate caches (DTensor, kernels)."""
-    x_in = _fresh_input(x)
-    out = fn(x_in)
-    if out.requires_grad:
-        out.backward(torch.ones_like(out))
-    _clear_grads(module, x_in)
-
-
 def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
     """Median forward and backward seconds after warm-up (CUDA events on a GPU)."""
     cuda = opts.device == "cuda"
@@ -255,9 +247,10 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofl
     def ckpt(inp):
         return checkpoint(layer, inp, use_reentrant=False)
 
-    warm_up(layer, layer, x)
-    plain = measure_memory(layer, layer, x)
-    ck = measure_memory(ckpt, layer, x)
+    # Each memory figure is taken from the second of two identical runs: first calls allocate
+    # caches (DTensor's sharding propagation, kernels) that would look like activations.
+    plain = [measure_memory(layer, layer, x) for _ in range(2)][-1]
+    ck = [measure_memory(ckpt, layer, x) for _ in range(2)][-1]
     fwd, bwd = measure_cost(layer, x)
     if opts.fake or not timed:
         fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
@@ -284,8 +277,7 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
     def fn(out):
         return loss_fn(out, targets)
 
-    warm_up(fn, empty, output)
-    m = measure_memory(fn, empty, output, extra=(targets,))
+    m = [measure_memory(fn, empty, output, extra=(targets,)) for _ in range(2)][-1]
     fwd, bwd = measure_cost(fn, output)
     if opts.fake:
         fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
@@ -345,6 +337,14 @@ def check_no_shared_params(model: nn.Sequential, spec: mf.ModelSpec) -> None:
                 raise mf.ModelFileError(f"{mf.layer_name(model, j)} and {mf.layer_name(model, i)} in {spec.path} share the parameter {pname}; give each layer its own parameters (untie them) so layers can live on different pipeline stages.")
 
 
+def structure_key(layer: nn.Module, x: torch.Tensor, tp_matches: dict[str, str]) -> str:
+    """Layers with equal keys run the same ops on the same shapes: their memory and FLOPs are
+    measured once. The key is the module's repr (types and hyper-parameters), its parameter
+    and buffer shapes and dtypes, the input's, and the TP split."""
+    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(layer.named_parameters()) + list(layer.named_buffers())]
+    return json.dumps([repr(layer), tensors, tuple(x.shape), str(x.dtype), sorted(tp_matches.items())])
+
+
 def signature(layer: LayerProfile) -> str:
     """Equal for layers identical in structure and every measured memory and FLOP figure."""
     keep = [{b: {k: v for k, v in asdict(s).items() if not k.endswith("_s")} for b, s in samples.items()}
@@ -380,7 +380,9 @@ def _build_context(opts: ProfileOptions):
         with torch.device(opts.device):
             if opts.fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
-                with FakeTensorMode(allow_non_fake_inputs=True):
+                with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+                    # DTensor asks fake tensors for data pointers; harmless, and not the user's concern.
+                    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                     yield
             else:
                 yield
@@ -399,7 +401,7 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
     on_progress = on_progress or (lambda _msg, _total: None)
     roofline = roofline or (lambda flops, io: 0.0)
     torch.manual_seed(0)
-    with _build_context(opts), _tp_context(spec, opts) as tp_mesh:
+    with _tp_context(spec, opts) as tp_mesh, _build_context(opts):  # the mesh must be real, built first
         model = mf.build_checked_model(spec)
         check_no_shared_params(model, spec)
         tp_matches = mf.check_tp_plan(model, spec)
@@ -413,15 +415,28 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
             inputs, targets = inputs.to(opts.device), targets.to(opts.device)
             batch["input_bytes"][b], batch["target_bytes"][b] = _nbytes(inputs), _nbytes(targets)
             x = inputs
+            seen: dict[str, int] = {}        # structure -> first layer measured with it at this b
             for i, layer in enumerate(model):
                 on_progress(f"micro-batch {b}: {mf.layer_name(model, i)}", total)
                 with torch.no_grad():
                     nxt = mf.run_layer_checked(model, i, x, spec)   # also checks the chain
-                layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
-                if tp_mesh is not None and tp_matches[i]:
-                    split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
-                    layers[i].tp_samples[b] = measure_layer(split, x, opts, roofline)
-                    del split
+                nxt.requires_grad_(_needs_grad(nxt))   # later layers' inputs carry gradients; the batch does not
+                key = structure_key(layer, x, tp_matches[i])
+                if key in seen:
+                    # Same structure, same input shape: the same memory and FLOPs; only time it.
+                    j = seen[key]
+                    layers[i].samples[b] = copy.copy(layers[j].samples[b])
+                    if layers[j].tp_samples:
+                        layers[i].tp_samples[b] = copy.copy(layers[j].tp_samples[b])
+                    if not opts.fake:
+                        layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = measure_time(layer, layer, x, opts)
+                else:
+                    seen[key] = i
+                    layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
+                    if tp_mesh is not None and tp_matches[i]:
+                        split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
+                        layers[i].tp_samples[b] = measure_layer(split, x, opts, roofline)
+                        del split
                 x = nxt
             on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():
