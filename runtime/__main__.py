@@ -1,0 +1,153 @@
+"""`torchrun --nproc-per-node N -m runtime plan.json [--steps S] [--out run.json]`.
+
+Every rank first checks, without touching the network, that the plan loads, fits this launch
+and names an unchanged model file; if not, each prints the same one sentence and exits 2, so
+no rank is left waiting in a collective. Then each builds its part, trains, and rank 0
+writes run.json with every rank's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from planner.plan import Plan, PlanError, load_plan
+from profiles.model_file import ModelFileError, ModelSpec, load_spec
+from profiles.schema import OPTIMIZERS, PRECISIONS, write_json_atomic
+
+from .parallel_dims import ParallelDims
+from .pipeline import schedule_problem
+from .train import Trainer, build_model, reduce_losses
+
+RUN_SCHEMA_VERSION = 1
+
+
+class RunError(Exception):
+    """A plan this launch cannot run; the message is one sentence with the fix."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (under torchrun).")
+    p.add_argument("plan", help="plan.json written by `plan solve`")
+    p.add_argument("--steps", type=int, default=5, help="training steps; step 1 warms up, step 2 measures memory, 3.. time")
+    p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+def load_run_inputs(plan_path: str) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
+    """The plan, the model file and the built model; raises PlanError, RunError or ModelFileError."""
+    plan = load_plan(plan_path)
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise RunError(f"the runtime runs under torchrun; use `torchrun --nproc-per-node {plan.world_size} -m runtime {plan_path}`.")
+    if int(world) != plan.world_size:
+        raise RunError(f"plan {plan_path} is for {plan.world_size} processes but this launch has {world}; "
+                       f"start it with `torchrun --nproc-per-node {plan.world_size} -m runtime {plan_path}` or `plan run {plan_path}`.")
+    if plan.optimizer.name not in OPTIMIZERS:
+        raise RunError(f"plan {plan_path} names optimizer {plan.optimizer.name!r}, not one of {', '.join(OPTIMIZERS)}; solve again with `plan solve`.")
+    if plan.precision not in PRECISIONS:
+        raise RunError(f"plan {plan_path} names precision {plan.precision!r}, not one of {', '.join(PRECISIONS)}; solve again with `plan solve`.")
+    if problem := schedule_problem(plan.schedule, len(plan.stages), plan.pp, plan.num_micro_batches):
+        raise RunError(f"plan {plan_path} cannot run: {problem}; solve again with `plan solve`.")
+    if plan.device_type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        raise RunError(f"plan {plan_path} needs {os.environ.get('LOCAL_WORLD_SIZE', 1)} CUDA devices on this node but torch sees {torch.cuda.device_count()}; run it where they are.")
+    spec = load_spec(plan.model)
+    model = build_model(spec, plan)
+    if len(model) != plan.n_layers:
+        raise RunError(f"plan {plan_path} has {plan.n_layers} layers but {spec.path} builds {len(model)}; profile and solve again.")
+    return plan, spec, model
+
+
+def refuse(message: str) -> NoReturn:
+    """Print the one sentence and exit 2, the same on every rank.
+
+    torchrun stops every worker as soon as one exits, so a rank that has refused waits (in
+    torchrun's own store, not a process group) until all have, turns torchrun's SIGTERM into
+    the same exit code, and leaves with os._exit: Python's teardown (long, with torch loaded)
+    restores the default SIGTERM action and would be cut short by it.
+    """
+    print(message, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        wait_for_all_ranks("runtime/refused")
+    os._exit(2)
+
+
+def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    key = f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def init_distributed(plan: Plan) -> None:
+    if plan.device_type == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+
+
+def device_name(plan: Plan) -> str:
+    return torch.cuda.get_device_name() if plan.device_type == "cuda" else "cpu"
+
+
+def print_summary(run: dict) -> None:
+    console = Console()
+    losses = run["losses"]
+    console.print(f"{run['plan_path']}: {run['steps']} steps on {run['world_size']} x {run['device']}, "
+                  f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    table = Table("rank", "pp", "dp", "tp", "stages", "peak MiB", "median step ms")
+    for r in run["ranks"]:
+        table.add_row(str(r["rank"]), str(r["pp_rank"]), str(r["dp_rank"]), str(r["tp_rank"]),
+                      ",".join(map(str, r["stages"])), f"{r['peak_bytes'] / 2**20:.1f}", f"{r['median_step_s'] * 1e3:.1f}")
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan, spec, model = load_run_inputs(args.plan)
+    except (PlanError, RunError, ModelFileError) as e:
+        refuse(str(e))
+    init_distributed(plan)
+    mesh = ParallelDims.from_plan(plan).build_mesh(plan.device_type)
+    trainer = Trainer(plan, spec, model, mesh)
+    del model  # the layers of other stages go with it
+    local_losses, report = trainer.train(args.steps)
+    losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, asdict(report))
+    if dist.get_rank() == 0:
+        run = {"schema": RUN_SCHEMA_VERSION, "kind": "run", "plan_path": args.plan,
+               "plan_sha256": hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
+               "world_size": plan.world_size, "steps": args.steps, "losses": losses,
+               "device": device_name(plan), "torch_version": torch.__version__, "ranks": reports}
+        write_json_atomic(args.out, run)
+        print_summary(run)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Apply a plan's per-layer choices to one pipeline stage: TP, then checkpointing, then DP.
+
+The order matters: parallelize_module must see the layer's own Linear submodules (a
+checkpoint wrapper or FSDP2 first would hide or already own them), and FSDP2 / replicate
+must see the TP DTensors so that they compose (dp x tp) instead of sharding the plain weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from planner.plan import LayerChoice, Plan
+from profiles.model_file import ModelSpec, tp_plan_matches
+
+# Outputs stay local tensors, so layers without a TP plan (and the loss) see plain tensors.
+TP_STYLES = {
+    "colwise": lambda: ColwiseParallel(use_local_output=True),
+    "rowwise": lambda: RowwiseParallel(use_local_output=True),
+    "sequence": lambda: SequenceParallel(use_local_output=True),
+}
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    """False for the plain path: dp 1, nothing offloaded, no mixed precision -> no DP wrapper at all."""
+    offloads = any(lc.offload for stage in plan.stages for lc in stage.layers)
+    return plan.dp > 1 or offloads or plan.precision == "mixed"
+
+
+def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
+    """Shard the layer's submodules that the model file's tp_plan names; the rest stay replicated."""
+    matches = tp_plan_matches(layer, tp_plan)
+    if matches:
+        parallelize_module(layer, tp_mesh, {name: TP_STYLES[style]() for name, style in matches.items()})
+
+
+def apply_ac(layer: nn.Module) -> nn.Module:
+    """Wrap the whole layer in non-reentrant torch.utils.checkpoint: it keeps only its input."""
+    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero: int, offload: bool, precision: str, device_type: str) -> None:
+    """Make `module` one DP unit on the dp mesh.
+
+    zero 3 -> fully_shard (params resharded after forward); zero 2 -> fully_shard keeping the
+    unsharded params until backward; zero 0/1 -> FSDP-based replicate (ZeRO-1's optimizer
+    sharding is in ShardedOptimizer). An offloaded unit is always fully sharded on the host.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mixed" else MixedPrecisionPolicy()
+    if offload:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp,
+                    offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda"))
+    elif zero >= 2:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+    else:
+        replicate(module, mesh=dp_mesh, mp_policy=mp)
+
+
+def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: ModelSpec, mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
+    """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then DP to the stage itself (the root unit)."""
+    fsdp = uses_fsdp(plan)
+    for lc in layers:
+        name = str(lc.index)
+        layer = stage.get_submodule(name)
+        if plan.tp > 1:
+            apply_tp(layer, mesh["tp"], spec.tp_plan)
+        if lc.checkpoint:
+            layer = apply_ac(layer)
+            stage.register_module(name, layer)
+        if fsdp:
+            apply_fsdp(layer, mesh["dp"], plan.zero, lc.offload, plan.precision, plan.device_type)
+    if fsdp:
+        apply_fsdp(stage, mesh["dp"], plan.zero, False, plan.precision, plan.device_type)
+    return stage
