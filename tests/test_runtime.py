@@ -1,0 +1,198 @@
+"""The runtime trains every parallel plan to the losses and parameters of one process.
+
+Real torchrun launches, real gloo process groups, no mocks. The plans are grouped by world
+size, one launch per group (tests/runtime_driver.py trains each and saves its losses, full
+final parameters and reports); each case is then held to `train_reference` on the same global
+batches for 3 steps.
+
+Tolerances. fp32 with SGD / momentum: rtol 1e-5, atol 1e-6 on losses and parameters (the
+parallel sums differ from one process only in rounding order). Adam / AdamW: the same on the
+losses, atol 2e-4 on the parameters: Adam divides each gradient by its running RMS, so an
+element whose gradient is rounding noise moves by a noise-decided fraction of lr per step on
+either side (the attention key bias has a true gradient of 0, measured ~1e-11; MLP weights in
+GELU's flat region too). Worst seen: 7e-5 (lr 1e-3); a real fault (a missed update or
+broadcast) moves nearly every element by ~lr. Mixed precision (bf16 compute, fp32 master
+weights and reduction) against the fp32 reference, SGD lr 0.1: rtol 2e-2 on the losses,
+atol 2e-3 on the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.plan import OptimizerConfig
+from runtime.launch import build_command
+from runtime.reference import train_reference
+from profiles.model_file import load_spec
+
+from runtime_cases import GPT, MLP, make_plan
+
+STEPS = 3
+DRIVER = Path(__file__).parent / "runtime_driver.py"
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAM_PARAM_TOL = {"rtol": 1e-5, "atol": 2e-4}
+MIXED_LOSS_TOL = {"rtol": 2e-2, "atol": 0.0}
+MIXED_PARAM_TOL = {"rtol": 0.0, "atol": 2e-3}
+
+SGD = OptimizerConfig(name="sgd", lr=0.1)
+MOMENTUM = OptimizerConfig(name="momentum", lr=0.05, momentum=0.9)
+ADAM = OptimizerConfig(name="adam", lr=1e-3, weight_decay=0.0)
+ADAMW = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.01)
+
+# Momentum SGD unless a case says otherwise: its update is linear in the gradient, so a
+# gradient that is off by any factor (dp average, micro-batch scaling) shows at full size.
+# Adam normalises that factor away; it runs where its states matter (ZeRO-1) and as the default.
+CASES = {
+    # one process: the plain path, accumulation over 4 micro-batches
+    "accumulate4_plain": make_plan(b=2, m=4, optimizer=MOMENTUM),
+    # two processes
+    "dp2": make_plan(dp=2, optimizer=MOMENTUM),
+    "dp2_adamw": make_plan(dp=2, optimizer=ADAMW),
+    "tp2": make_plan(tp=2, optimizer=MOMENTUM),
+    "pp2_1f1b": make_plan(pp=2, m=2, optimizer=MOMENTUM),
+    "pp2_gpipe": make_plan(pp=2, m=2, schedule="gpipe", optimizer=SGD),
+    "pp2_interleaved": make_plan(pp=2, virtual=2, m=4, schedule="interleaved", optimizer=MOMENTUM),
+    "zero1": make_plan(MLP, dp=2, zero=1, optimizer=MOMENTUM),
+    "zero1_adam": make_plan(MLP, dp=2, zero=1, optimizer=ADAM),
+    "zero2": make_plan(dp=2, zero=2, optimizer=MOMENTUM),
+    "zero3": make_plan(dp=2, zero=3, optimizer=MOMENTUM),
+    "accumulate4_zero0": make_plan(dp=2, m=4, optimizer=MOMENTUM),
+    "accumulate4_zero3": make_plan(MLP, dp=2, zero=3, b=2, m=4, optimizer=MOMENTUM),
+    "offload_zero0": make_plan(dp=2, offload={1, 4}, optimizer=MOMENTUM),
+    "offload_zero1": make_plan(MLP, dp=2, zero=1, offload={0, 5}, m=2, optimizer=MOMENTUM),
+    "checkpoint_zero3": make_plan(dp=2, zero=3, checkpoint={1, 2}, optimizer=MOMENTUM),
+    "checkpoint_pp2": make_plan(pp=2, m=2, checkpoint={0, 4}, optimizer=MOMENTUM),
+    "mixed_zero2": make_plan(dp=2, zero=2, precision="mixed", optimizer=SGD),
+    # four processes
+    "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
+    "pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=ADAMW),
+    "pp2_tp2": make_plan(pp=2, tp=2, m=2, schedule="gpipe", optimizer=SGD),
+}
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("runtime")
+    groups = defaultdict(list)
+    for name, plan in CASES.items():
+        groups[plan.world_size].append(name)
+    for world, names in groups.items():
+        d = root / f"world{world}"
+        d.mkdir()
+        for name in names:
+            CASES[name].save(d / f"{name}.plan.json")
+        proc = subprocess.run(torchrun(world, str(DRIVER), str(d), str(STEPS)), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {name: torch.load(root / f"world{CASES[name].world_size}" / f"{name}.result.pt") for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            plan = CASES[name]
+            cache[name] = train_reference(load_spec(plan.model), plan, STEPS)
+        return cache[name]
+    return get
+
+
+def tolerances(plan) -> tuple[dict, dict]:
+    """(losses, parameters)"""
+    if plan.precision == "mixed":
+        return MIXED_LOSS_TOL, MIXED_PARAM_TOL
+    return FP32_TOL, ADAM_PARAM_TOL if plan.optimizer.name in ("adam", "adamw") else FP32_TOL
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_matches_single_process(name, results, references):
+    got = results[name]
+    ref_losses, ref_state = references(name)
+    loss_tol, param_tol = tolerances(CASES[name])
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **loss_tol)
+    assert sorted(got["state"]) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(got["state"][key], ref, **param_tol, msg=lambda m: f"{key}: {m}")
+
+
+def test_reports_cover_every_rank(results):
+    for name, got in results.items():
+        plan = CASES[name]
+        assert [r["rank"] for r in got["reports"]] == list(range(plan.world_size))
+        for r in got["reports"]:
+            assert r["peak_bytes"] > 0 and len(r["step_times_s"]) == STEPS and r["median_step_s"] > 0
+        held = sorted(s for r in got["reports"] for s in r["stages"])
+        assert held == sorted(s.index for s in plan.stages for _ in range(plan.dp * plan.tp))
+
+
+def test_memory_follows_the_zero_stage(results):
+    """Same model and batch, dp 2: each ZeRO stage shards more, so it peaks lower."""
+    peak = {name: results[name]["reports"][0]["peak_bytes"] for name in ("dp2", "zero2", "zero3", "offload_zero0")}
+    assert peak["zero3"] < peak["zero2"] < peak["dp2"]
+    assert peak["offload_zero0"] < peak["dp2"]
+
+
+def test_cli_run_writes_the_report(tmp_path):
+    plan = make_plan(pp=2, m=2)
+    plan_path, out = tmp_path / "plan.json", tmp_path / "run.json"
+    plan.save(plan_path)
+    proc = subprocess.run(build_command(plan_path, plan, steps=STEPS, out=out), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = json.loads(out.read_text())
+    assert (run["schema"], run["kind"], run["world_size"], run["steps"], run["device"]) == (1, "run", 2, STEPS, "cpu")
+    assert [(r["rank"], r["pp_rank"], r["stages"]) for r in run["ranks"]] == [(0, 0, [0]), (1, 1, [1])]
+    ref_losses, _ = train_reference(load_spec(plan.model), plan, STEPS)
+    torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **FP32_TOL)
+
+
+# -- refusals: one sentence and exit code 2 on every rank, never a hang --------------------
+
+def assert_refused(plan_path: Path, nproc: int, tmp_path: Path, expect: str) -> None:
+    logs = tmp_path / "logs"
+    cmd = torchrun(nproc, "--log-dir", str(logs), "--redirects", "3", "-m", "runtime", str(plan_path), "--out", str(tmp_path / "run.json"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    # torchrun's own summary lists each rank's exit code (and torchrun itself exits 1).
+    assert proc.stderr.count("exitcode  : 2") == nproc, proc.stderr[-3000:]
+    rank_errs = sorted(logs.glob("*/attempt_0/*/stderr.log"))
+    assert len(rank_errs) == nproc
+    for err in rank_errs:
+        text = err.read_text().strip()
+        assert "Traceback" not in text and len(text.splitlines()) == 1 and text.endswith("."), text
+        assert expect in text, text
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_wrong_world_size_is_refused(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    make_plan(dp=4).save(plan_path)
+    assert_refused(plan_path, 2, tmp_path, "is for 4 processes but this launch has 2")
+
+
+def test_changed_model_file_is_refused(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text(MLP.read_text())
+    plan_path = tmp_path / "plan.json"
+    make_plan(model, dp=2, n_layers=10).save(plan_path)
+    model.write_text(MLP.read_text() + "\n# edited after profiling\n")
+    assert_refused(plan_path, 2, tmp_path, "has changed since it was profiled")
+
+
+def test_unknown_plan_schema_is_refused(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    d = make_plan(dp=2).to_json()
+    d["schema"] = 99
+    plan_path.write_text(json.dumps(d))
+    assert_refused(plan_path, 2, tmp_path, "has schema 99")
