@@ -371,6 +371,20 @@ class CostModel:
                           self.memory_limit)
 
 
+def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes: float, zero: int, dp: int) -> float:
+    """Model-state bytes per rank under ZeRO's definitions (Rajbhandari et al., 2020):
+    stage 1 shards optimizer states, stage 2 also gradients, stage 3 also parameters.
+
+    The runtime realises stages 0 and 3 exactly so (FSDP2 `replicate`, `fully_shard`). Its
+    stage 2 (`fully_shard` without resharding after forward) also keeps a sharded copy of the
+    parameters beside the unsharded one, and its stage 1 (`replicate` + a sharded optimizer)
+    keeps fp32 parameters whole under mixed precision, where ZeRO keeps fp16 ones; `_layer`
+    costs what the runtime does, docs/cost-model.md lists the differences.
+    """
+    return (param_bytes / (dp if zero >= 3 else 1) + grad_bytes / (dp if zero >= 2 else 1)
+            + optimizer_bytes / (dp if zero >= 1 else 1))
+
+
 def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list[bool] | None = None,
                        num_micro_batches: int = 1) -> StageMemory:
     """Peak memory of plain training steps on one device (no wrapper): the simplest use of

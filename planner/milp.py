@@ -34,7 +34,9 @@ import pulp
 from .cost import Candidate, CostModel, ring_allreduce_s
 from .memory import LayerMemory, schedule_actions
 
-BIG = 1 << 50           # big-M for gating memory records (bytes)
+GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
+MS = 1e3                # time rows in milliseconds, memory rows as a fraction of the limit: keeps
+                        # coefficients near 1, without which CBC's cuts can cut off the optimum
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,30 @@ class Layout:
     objective: float | None
 
 
+def upper_bound(expr) -> float:
+    """The largest value an affine expression can take within its variables' bounds."""
+    expr = pulp.LpAffineExpression(expr)
+    ub = expr.constant
+    for var, coef in expr.items():
+        ub += coef * (var.upBound if coef > 0 else var.lowBound)
+    return ub
+
+
+def add_memory_row(prob: pulp.LpProblem, live, limit: int, gate, name: str) -> None:
+    """live <= limit, enforced only when `gate` (a binary) is 1; scaled by the limit.
+
+    The big-M is the tightest one the variables' bounds allow, so the relaxation stays tight.
+    """
+    if gate is None:
+        prob += live * (1 / limit) <= 1, name
+        return
+    slack = max(0.0, upper_bound(live) - limit)
+    prob += live * (1 / limit) <= 1 + slack / limit * (1 - gate), name
+
+
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "cbc",
-                 time_limit: float | None = None) -> Layout:
-    """Solve the layout MILP for one candidate."""
+                 time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None) -> Layout:
+    """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.pp
@@ -122,9 +145,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # lower memory, so the solver sets them to it whenever memory binds.
     kp = {k: prob.add_variable(f"kp_{v.name[2:]}", 0, 1) for k, v in L.items()}
     E = {k: prob.add_variable(f"E_{v.name[2:]}", 0, 1) for k, v in L.items()}
-    tau = prob.add_variable("tau", 0)            # slowest stage's time per micro-batch (s)
-    omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (s)
-    exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward
+    tau = prob.add_variable("tau", 0)            # slowest stage's time per micro-batch (ms)
+    omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (ms)
+    exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward (ms)
 
     prob += (m + S - 1) * tau + omega, "step_time"
 
@@ -212,7 +235,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         compute_static = static + gathered
 
         sc = scenarios(cand, s)
-        prob += static + grads_all <= limit, f"mem_s{s}_optimizer_step"
+        add_memory_row(prob, static + grads_all, limit, None, f"mem_s{s}_optimizer_step")
 
         prefix = 0                      # kept activations of the segments before this one
         for idx, (r, c) in enumerate(seg):
@@ -227,16 +250,16 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 if held is None:
                     continue
                 base = compute_static + held * per_mb + pmb + prefix + grads
-                prob += base + f_first <= limit + BIG * (1 - e[k]), f"mem_{name}_{tag}_first"
-                prob += base + f_last <= limit + BIG * (1 - f[k]), f"mem_{name}_{tag}_last"
+                add_memory_row(prob, base + f_first, limit, e[k], f"mem_{name}_{tag}_first")
+                add_memory_row(prob, base + f_last, limit, f[k], f"mem_{name}_{tag}_last")
             # First backward: gradients of later layers exist, this segment's appear one by one.
             base = compute_static + sc.b_first * per_mb + pmb + prefix + g_after + gout + lm.bwd_peak
             a_first = a_in + lm.input * (1 if lm.keeps_input else 0) * ((1 if lm.keeps_output else 0) - kp[k])
-            prob += base + a_first + lm.grads * (L[k] - 1) <= limit + BIG * (1 - e[k]), f"mem_{name}_b0_first"
-            prob += base + total <= limit + BIG * (1 - e[k]), f"mem_{name}_b0_last"
+            add_memory_row(prob, base + a_first + lm.grads * (L[k] - 1), limit, e[k], f"mem_{name}_b0_first")
+            add_memory_row(prob, base + total, limit, e[k], f"mem_{name}_b0_last")
             if sc.b_later is not None:
                 base = compute_static + sc.b_later * per_mb + pmb + prefix + grads_all + gout + lm.bwd_accum_peak
-                prob += base + total <= limit + BIG * (1 - e[k]), f"mem_{name}_b1_last"
+                add_memory_row(prob, base + total, limit, e[k], f"mem_{name}_b1_last")
             prefix = prefix + total
         if last_stage:
             lm = loss.memory
@@ -244,12 +267,13 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all)):
                 if held is None:
                     continue
-                prob += (compute_static + held * per_mb + pmb + prefix + grads + x_extra + lm.own + lm.output
-                         + lm.fwd_transient <= limit), f"mem_s{s}_loss_{tag}"
-            prob += (compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak <= limit), f"mem_s{s}_loss_b0"
+                add_memory_row(prob, compute_static + held * per_mb + pmb + prefix + grads + x_extra + lm.own
+                               + lm.output + lm.fwd_transient, limit, None, f"mem_s{s}_loss_{tag}")
+            add_memory_row(prob, compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak,
+                           limit, None, f"mem_s{s}_loss_b0")
             if sc.b_later is not None:
-                prob += (compute_static + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
-                         + lm.bwd_accum_peak <= limit), f"mem_s{s}_loss_b1"
+                add_memory_row(prob, compute_static + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
+                               + lm.bwd_accum_peak, limit, None, f"mem_s{s}_loss_b1")
 
         # -- time -----------------------------------------------------------------------
         per_mb_time = pulp.lpSum((cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s) * L[r, s, c]
@@ -259,17 +283,25 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         if S > 1:
             bw, lat = model._link(cand.dp * cand.tp * 2)
             per_mb_time += (stage_in + stage_out) * (1 / bw) + 2 * lat
-        prob += tau >= per_mb_time, f"time_s{s}_per_micro_batch"
+        prob += tau >= per_mb_time * MS, f"time_s{s}_per_micro_batch"
         sync_bytes = pulp.lpSum(cost[r, c].dp_sync_bytes * L[r, s, c] for r, c in seg)
         once = pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg)
         if cand.dp > 1 and any(cost[k].dp_sync_bytes for k in cost):
             bw, lat = model._link(cand.dp * cand.tp)
             sync = sync_bytes * (2 * (cand.dp - 1) / cand.dp / bw) + 2 * (cand.dp - 1) * lat
             window = pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg) * 0.5
-            prob += exposed[s] >= sync - window, f"time_s{s}_exposed_sync"
+            prob += exposed[s] >= (sync - window) * MS, f"time_s{s}_exposed_sync"
             if cand.zero == 1:
                 once += sync_bytes * (1 / bw) + cand.dp * lat
-        prob += omega >= exposed[s] + once, f"time_s{s}_once_per_step"
+        prob += omega >= exposed[s] + once * MS, f"time_s{s}_once_per_step"
+
+    if fixed is not None:
+        for s, layers in enumerate(fixed):
+            for (r, s2, c), var in L.items():
+                if s2 == s:
+                    start, length = runs[r]
+                    count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(ck, off) == c)
+                    prob += var == count, f"fixed_{var.name}"
 
     status = _solve(prob, solver, time_limit)
     if status != "optimal":
@@ -285,7 +317,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     layers.append((placed[r], c.checkpoint, c.offload))
                     placed[r] += 1
         stages.append(layers)
-    return Layout("optimal", stages, pulp.value(prob.objective))
+    return Layout("optimal", stages, pulp.value(prob.objective) / MS)
 
 
 def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
@@ -302,13 +334,13 @@ def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
 def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
     """Run the solver with explicit options; return "optimal", "infeasible" or the status."""
     if solver == "highs":
-        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
+        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0)
     else:
         # The CBC bundled with PuLP 3, single-threaded with fixed seeds: the same problem gives
         # the same answer.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # PuLP 4 moves CBC to an extra
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1,
+            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0,
                                     options=["randomSeed 1", "randomCbcSeed 1"])
     prob.solve(cmd)
     status = pulp.LpStatus[prob.status]

@@ -1,0 +1,69 @@
+"""Random but self-consistent profiles, for testing the planner without torch."""
+
+from __future__ import annotations
+
+import random
+
+from profiles.schema import LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+
+
+def _sample(rng: random.Random, b: int, base: dict, in_bytes: int, out_bytes: int) -> LayerSample:
+    """Figures linear in the micro-batch size b, from per-sample random bases."""
+    keeps_in, keeps_out = base["keeps_in"], base["keeps_out"]
+    own = base["own"] * b
+    saved = own + (in_bytes if keeps_in else 0) + (out_bytes if keeps_out else 0)
+    return LayerSample(
+        input_bytes=in_bytes, output_bytes=out_bytes, saved_bytes=saved,
+        saved_input_bytes=in_bytes if keeps_in else 0, saved_output_bytes=out_bytes if keeps_out else 0,
+        fwd_transient_bytes=base["fwd_t"] * b, bwd_peak_bytes=base["bwd"] * b + base["grad"],
+        bwd_accum_peak_bytes=base["bwd"] * b, ckpt_saved_bytes=base["ck_own"],
+        ckpt_fwd_transient_bytes=base["ck_fwd_t"] * b, ckpt_bwd_peak_bytes=(base["bwd"] + base["own"]) * b + base["grad"],
+        ckpt_bwd_accum_peak_bytes=(base["bwd"] + base["own"]) * b,
+        fwd_s=base["fwd_s"] * b, bwd_s=2 * base["fwd_s"] * b, fwd_flops=base["flops"] * b, bwd_flops=2 * base["flops"] * b,
+        fwd_io_bytes=base["io"] * b, bwd_io_bytes=2 * base["io"] * b,
+    )
+
+
+def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, optimizer: str = "adamw") -> Profile:
+    """A profile of n_layers with random figures; with repeat_runs, some consecutive layers are identical."""
+    batch_sizes = [1, 2, 4]
+    width = rng.choice([8, 16, 32]) * 1024           # bytes of one sample's activation between layers
+    layers: list[LayerProfile] = []
+    i = 0
+    while i < n_layers:
+        run = rng.randint(1, 3) if repeat_runs else 1
+        run = min(run, n_layers - i)
+        rows, cols = rng.choice([64, 128, 256]), rng.choice([64, 128])
+        base = {
+            "own": rng.randint(1, 8) * 1024, "keeps_in": rng.random() < 0.7, "keeps_out": rng.random() < 0.3,
+            "fwd_t": rng.randint(0, 4) * 1024, "bwd": rng.randint(1, 6) * 1024, "ck_own": rng.choice([0, 64]),
+            "ck_fwd_t": rng.randint(1, 4) * 1024, "grad": 4 * rows * cols, "fwd_s": rng.uniform(1e-4, 1e-3),
+            "flops": rng.randint(1, 100) * 10**6, "io": rng.randint(1, 10) * 10**5,
+        }
+        sig = f"s{i}"
+        for _ in range(run):
+            params = [ParamInfo("w", [rows, cols], 0 if rng.random() < 0.5 else None)]
+            numel = rows * cols
+            lp = LayerProfile(
+                index=i, name=str(i), kind="Synthetic", signature=sig, param_count=numel, param_bytes=4 * numel,
+                compute_param_bytes=4 * numel, buffer_bytes=0, grad_bytes=4 * numel,
+                optimizer_state_bytes=8 * numel + 4 if optimizer in ("adam", "adamw") else 0,
+                tp_param_bytes=4 * numel if params[0].tp_dim is not None else 0, params=params,
+            )
+            layers.append(lp)
+            i += 1
+        # Identical layers share everything, including the tp split and the measured samples.
+        for lp in layers[-run:]:
+            lp.params = [ParamInfo("w", [rows, cols], layers[-run].params[0].tp_dim)]
+            lp.tp_param_bytes = layers[-run].tp_param_bytes
+            lp.samples = {b: _sample(rng, b, base, width * b, width * b) for b in batch_sizes}
+            lp.refit()
+    loss = Sampled(samples={b: LayerSample(input_bytes=width * b, output_bytes=4, saved_bytes=width * b,
+                                           fwd_transient_bytes=width * b, bwd_peak_bytes=width * b,
+                                           bwd_accum_peak_bytes=width * b, fwd_s=1e-5 * b, bwd_s=1e-5 * b)
+                            for b in batch_sizes})
+    loss.refit()
+    return Profile(model={"path": "synthetic.py", "sha256": "0" * 64, "source": "synthetic", "name": "synthetic"},
+                   torch_version="2.13.0", device="cpu", device_type="cpu", method="measured", hardware=None,
+                   precision="fp32", optimizer=optimizer, batch_sizes=batch_sizes, layers=layers, loss=loss,
+                   batch={"input_bytes_per_sample": 512, "target_bytes_per_sample": 64})
