@@ -13,17 +13,10 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from planner.plan import LayerChoice, Plan
+from profiles import tensor_parallel
 from profiles.model_file import ModelSpec, tp_plan_matches
-
-# Outputs stay local tensors, so layers without a TP plan (and the loss) see plain tensors.
-TP_STYLES = {
-    "colwise": lambda: ColwiseParallel(use_local_output=True),
-    "rowwise": lambda: RowwiseParallel(use_local_output=True),
-    "sequence": lambda: SequenceParallel(use_local_output=True),
-}
 
 
 def uses_fsdp(plan: Plan) -> bool:
@@ -33,10 +26,9 @@ def uses_fsdp(plan: Plan) -> bool:
 
 
 def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
-    """Shard the layer's submodules that the model file's tp_plan names; the rest stay replicated."""
-    matches = tp_plan_matches(layer, tp_plan)
-    if matches:
-        parallelize_module(layer, tp_mesh, {name: TP_STYLES[style]() for name, style in matches.items()})
+    """Shard the layer's submodules that the model file's tp_plan names (the rest stay
+    replicated), with the profiler's own split so that both measure the same layer."""
+    tensor_parallel.apply_tp(layer, tp_plan_matches(layer, tp_plan), tp_mesh)
 
 
 def apply_ac(layer: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ alive that the step uses. Step time is the median wall time of steps 3..S.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import OrderedDict
@@ -128,16 +129,6 @@ class Trainer:
                 list(zip(self.stage_indices, self.modules)), len(plan.stages), self.device,
                 mesh["pp"].get_group(), plan.schedule, plan.num_micro_batches, spec.loss_fn)
 
-        self.tracker: DeviceMemory | None = None
-        if self.device.type == "cpu":
-            # FSDP2 hands an offloaded parameter its new (host) gradient, then calls these hooks.
-            for p in self.offloaded:
-                p.register_post_accumulate_grad_hook(self._exclude_grad)
-
-    def _exclude_grad(self, param: torch.Tensor) -> None:
-        if self.tracker is not None:
-            self.tracker.exclude(param.grad)
-
     # -- one step ----------------------------------------------------------------------
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This dp rank's rows of the global batch, copied so the rest can be freed."""
@@ -181,16 +172,14 @@ class Trainer:
         losses, times, peak = [], [], 0
         for step in range(steps):
             inputs, targets = self.local_batch(step)
-            if step == measured:
-                peak = self._start_memory(inputs, targets)
-            self._synchronize()
-            t0 = time.perf_counter()
-            loss = self.train_step(inputs, targets)
-            self._synchronize()
-            times.append(time.perf_counter() - t0)
-            if step == measured and self.tracker is not None:
-                self.tracker.__exit__(None, None, None)
-                peak, self.tracker = self.tracker.peak, None
+            with self._measure_memory(inputs, targets) if step == measured else contextlib.nullcontext() as memory:
+                self._synchronize()
+                t0 = time.perf_counter()
+                loss = self.train_step(inputs, targets)
+                self._synchronize()
+                times.append(time.perf_counter() - t0)
+            if memory is not None:
+                peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -200,17 +189,26 @@ class Trainer:
                             median_step_s=statistics.median(timed))
         return losses, report
 
-    def _start_memory(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    @contextlib.contextmanager
+    def _measure_memory(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """CUDA: start the allocator's peak here (read after the last step). CPU: a DeviceMemory
+        for this step, told what is alive at its start, leaving out what offload keeps on the host."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            return 0
-        self.tracker = DeviceMemory()
-        self.tracker.__enter__()
-        self.tracker.track(*self.modules, *fsdp_gather_buffers(self.modules), self.optimizer.state,
-                           *p2p_buffers(self.pipeline_stages), inputs, targets)
-        self.tracker.exclude(self.offloaded, self.optimizer.state_of(self.offloaded))
-        self.tracker.reset_peak()
-        return 0
+            yield None
+            return
+        with DeviceMemory() as memory:
+            memory.track(*self.modules, *fsdp_gather_buffers(self.modules), self.optimizer.state,
+                         *p2p_buffers(self.pipeline_stages), inputs, targets)
+            memory.exclude(self.offloaded, self.optimizer.state_of(self.offloaded))
+            memory.reset_peak()
+            # FSDP2 hands an offloaded parameter its new (host) gradient, then calls these hooks.
+            hooks = [p.register_post_accumulate_grad_hook(lambda p: memory.exclude(p.grad)) for p in self.offloaded]
+            try:
+                yield memory
+            finally:
+                for h in hooks:
+                    h.remove()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -18,7 +18,9 @@ atol 2e-3 on the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -50,8 +52,9 @@ ADAMW = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.01)
 # gradient that is off by any factor (dp average, micro-batch scaling) shows at full size.
 # Adam normalises that factor away; it runs where its states matter (ZeRO-1) and as the default.
 CASES = {
-    # one process: the plain path, accumulation over 4 micro-batches
+    # one process: the plain path
     "accumulate4_plain": make_plan(b=2, m=4, optimizer=MOMENTUM),
+    "bf16_plain": make_plan(b=4, precision="bf16", optimizer=ADAMW),  # the same ops as the reference: equal
     # two processes
     "dp2": make_plan(dp=2, optimizer=MOMENTUM),
     "dp2_adamw": make_plan(dp=2, optimizer=ADAMW),
@@ -77,8 +80,23 @@ CASES = {
 }
 
 
+# One intra-op thread per process, as torchrun gives several: on a 2-core machine another
+# busy process makes a second thread's spin-waits cost 100x (0.4 s instead of 4 ms a forward).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+@contextlib.contextmanager
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +110,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
         d.mkdir()
         for name in names:
             CASES[name].save(d / f"{name}.plan.json")
-        proc = subprocess.run(torchrun(world, str(DRIVER), str(d), str(STEPS)), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(torchrun(world, str(DRIVER), str(d), str(STEPS)), capture_output=True, text=True, timeout=300, env=ENV)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {name: torch.load(root / f"world{CASES[name].world_size}" / f"{name}.result.pt") for name in CASES}
 
@@ -104,7 +122,8 @@ def references() -> dict:
     def get(name):
         if name not in cache:
             plan = CASES[name]
-            cache[name] = train_reference(load_spec(plan.model), plan, STEPS)
+            with one_thread():
+                cache[name] = train_reference(load_spec(plan.model), plan, STEPS)
         return cache[name]
     return get
 
@@ -148,12 +167,13 @@ def test_cli_run_writes_the_report(tmp_path):
     plan = make_plan(pp=2, m=2)
     plan_path, out = tmp_path / "plan.json", tmp_path / "run.json"
     plan.save(plan_path)
-    proc = subprocess.run(build_command(plan_path, plan, steps=STEPS, out=out), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(build_command(plan_path, plan, steps=STEPS, out=out), capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = json.loads(out.read_text())
     assert (run["schema"], run["kind"], run["world_size"], run["steps"], run["device"]) == (1, "run", 2, STEPS, "cpu")
     assert [(r["rank"], r["pp_rank"], r["stages"]) for r in run["ranks"]] == [(0, 0, [0]), (1, 1, [1])]
-    ref_losses, _ = train_reference(load_spec(plan.model), plan, STEPS)
+    with one_thread():
+        ref_losses, _ = train_reference(load_spec(plan.model), plan, STEPS)
     torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **FP32_TOL)
 
 
@@ -162,7 +182,7 @@ def test_cli_run_writes_the_report(tmp_path):
 def assert_refused(plan_path: Path, nproc: int, tmp_path: Path, expect: str) -> None:
     logs = tmp_path / "logs"
     cmd = torchrun(nproc, "--log-dir", str(logs), "--redirects", "3", "-m", "runtime", str(plan_path), "--out", str(tmp_path / "run.json"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode != 0
     # torchrun's own summary lists each rank's exit code (and torchrun itself exits 1).
     assert proc.stderr.count("exitcode  : 2") == nproc, proc.stderr[-3000:]
