@@ -7,13 +7,15 @@ batches for 3 steps.
 
 Tolerances. fp32 with SGD / momentum: rtol 1e-5, atol 1e-6 on losses and parameters (the
 parallel sums differ from one process only in rounding order). Adam / AdamW: the same on the
-losses, atol 2e-4 on the parameters: Adam divides each gradient by its running RMS, so an
-element whose gradient is rounding noise moves by a noise-decided fraction of lr per step on
-either side (the attention key bias has a true gradient of 0, measured ~1e-11; MLP weights in
-GELU's flat region too). Worst seen: 7e-5 (lr 1e-3); a real fault (a missed update or
-broadcast) moves nearly every element by ~lr. Mixed precision (bf16 compute, fp32 master
-weights and reduction) against the fp32 reference, SGD lr 0.1: rtol 2e-2 on the losses,
-atol 2e-3 on the parameters.
+losses; on the parameters atol 1e-3 (= lr) and at most 0.1% of all elements outside rtol
+1e-5 / atol 1e-6. Adam divides each gradient by its running RMS, so an element whose
+gradient is rounding noise moves by a noise-decided fraction of lr per step on either side:
+the attention key bias (softmax is shift-invariant, its true gradient is 0, measured ~1e-11),
+MLP weights in GELU's flat region. Worst seen: 1.9e-4, on 0.03% of the elements; a real
+fault (a missed update or broadcast, a wrong shard) moves nearly every element by ~lr.
+Mixed precision (bf16 compute, fp32 master weights and reduction) against the fp32
+reference, SGD lr 0.1: rtol 2e-2 on the losses (seen 2.5e-3: the loss itself is computed
+from bf16 logits), atol 2e-3 on the parameters (seen 3e-5).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from runtime_cases import GPT, MLP, make_plan
 STEPS = 3
 DRIVER = Path(__file__).parent / "runtime_driver.py"
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
-ADAM_PARAM_TOL = {"rtol": 1e-5, "atol": 2e-4}
+ADAM_PARAM_TOL = {"rtol": 1e-5, "atol": 1e-3}
+ADAM_NOISY_FRACTION = 1e-3
 MIXED_LOSS_TOL = {"rtol": 2e-2, "atol": 0.0}
 MIXED_PARAM_TOL = {"rtol": 0.0, "atol": 2e-3}
 
@@ -128,11 +131,15 @@ def references() -> dict:
     return get
 
 
+def is_adam(plan) -> bool:
+    return plan.optimizer.name in ("adam", "adamw")
+
+
 def tolerances(plan) -> tuple[dict, dict]:
     """(losses, parameters)"""
     if plan.precision == "mixed":
         return MIXED_LOSS_TOL, MIXED_PARAM_TOL
-    return FP32_TOL, ADAM_PARAM_TOL if plan.optimizer.name in ("adam", "adamw") else FP32_TOL
+    return FP32_TOL, ADAM_PARAM_TOL if is_adam(plan) else FP32_TOL
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -144,6 +151,9 @@ def test_plan_matches_single_process(name, results, references):
     assert sorted(got["state"]) == sorted(ref_state)
     for key, ref in ref_state.items():
         torch.testing.assert_close(got["state"][key], ref, **param_tol, msg=lambda m: f"{key}: {m}")
+    if is_adam(CASES[name]) and CASES[name].precision == "fp32":
+        noisy = sum(int((~torch.isclose(got["state"][k], ref, **FP32_TOL)).sum()) for k, ref in ref_state.items())
+        assert noisy <= ADAM_NOISY_FRACTION * sum(ref.numel() for ref in ref_state.values())
 
 
 def test_reports_cover_every_rank(results):
