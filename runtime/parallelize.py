@@ -36,14 +36,19 @@ def apply_ac(layer: nn.Module) -> nn.Module:
     return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16 compute, fp32 gradient reduction (and fp32 sharded parameters) under "mixed"; else none."""
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mixed" else MixedPrecisionPolicy()
+
+
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero: int, offload: bool, precision: str, device_type: str) -> None:
-    """Make `module` one DP unit on the dp mesh.
+    """Make the layer `module` one DP unit on the dp mesh.
 
     zero 3 -> fully_shard (params resharded after forward); zero 2 -> fully_shard keeping the
     unsharded params until backward; zero 0/1 -> FSDP-based replicate (ZeRO-1's optimizer
     sharding is in ShardedOptimizer). An offloaded unit is always fully sharded on the host.
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mixed" else MixedPrecisionPolicy()
+    mp = mixed_precision(precision)
     if offload:
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp,
                     offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda"))
@@ -54,7 +59,7 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero: int, offload: bool,
 
 
 def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: ModelSpec, mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
-    """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then DP to the stage itself (the root unit)."""
+    """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then make the stage the root DP unit."""
     fsdp = uses_fsdp(plan)
     for lc in layers:
         name = str(lc.index)
@@ -67,5 +72,9 @@ def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: Mod
         if fsdp:
             apply_fsdp(layer, mesh["dp"], plan.zero, lc.offload, plan.precision, plan.device_type)
     if fsdp:
-        apply_fsdp(stage, mesh["dp"], plan.zero, False, plan.precision, plan.device_type)
+        # The root owns no parameters (each belongs to a layer), so it is fully_shard whatever
+        # the ZeRO stage: a replicate root's lazy init collects replicate units only, which
+        # would leave offloaded (fully_shard) layers as roots of their own, outside the
+        # stage's backward bookkeeping (pipelining then never reduces their gradients).
+        fully_shard(stage, mesh=mesh["dp"], mp_policy=mixed_precision(plan.precision))
     return stage

@@ -34,6 +34,7 @@ import torch
 from planner.plan import OptimizerConfig
 from runtime.launch import build_command
 from runtime.reference import train_reference
+from runtime.sharded_optimizer import partition_owners
 from profiles.model_file import load_spec
 
 from runtime_cases import GPT, MLP, make_plan
@@ -73,6 +74,7 @@ CASES = {
     "accumulate4_zero3": make_plan(MLP, dp=2, zero=3, b=2, m=4, optimizer=MOMENTUM),
     "offload_zero0": make_plan(dp=2, offload={1, 4}, optimizer=MOMENTUM),
     "offload_zero1": make_plan(MLP, dp=2, zero=1, offload={0, 5}, m=2, optimizer=MOMENTUM),
+    "offload_pp2": make_plan(pp=2, m=2, offload={1, 3}, optimizer=MOMENTUM),
     "checkpoint_zero3": make_plan(dp=2, zero=3, checkpoint={1, 2}, optimizer=MOMENTUM),
     "checkpoint_pp2": make_plan(pp=2, m=2, checkpoint={0, 4}, optimizer=MOMENTUM),
     "mixed_zero2": make_plan(dp=2, zero=2, precision="mixed", optimizer=SGD),
@@ -185,6 +187,23 @@ def test_cli_run_writes_the_report(tmp_path):
     with one_thread():
         ref_losses, _ = train_reference(load_spec(plan.model), plan, STEPS)
     torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **FP32_TOL)
+
+
+def test_zero1_partition_is_greedy_in_model_order():
+    # each parameter to the dp rank owning the fewest elements so far, the lowest on a tie
+    assert partition_owners([10, 3, 3, 5, 1], 2) == [0, 1, 1, 1, 0]
+    assert partition_owners([4, 4, 4, 4], 3) == [0, 1, 2, 0]
+
+
+def test_launch_command_for_one_and_several_nodes():
+    plan = make_plan(dp=4)
+    one = build_command("p.json", plan, steps=3, out="r.json")
+    assert one[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+                       "-m", "runtime", "p.json", "--steps", "3", "--out", "r.json"]
+    two = build_command("p.json", plan, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
+    assert two[3:8] == ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--master-addr=node0", "--master-port=29500"]
+    with pytest.raises(ValueError):
+        build_command("p.json", plan, nnodes=3)
 
 
 # -- refusals: one sentence and exit code 2 on every rank, never a hang --------------------
