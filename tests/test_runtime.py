@@ -32,12 +32,12 @@ import pytest
 import torch
 
 from planner.plan import OptimizerConfig
+from profiles.model_file import load_spec
 from runtime.launch import build_command
 from runtime.reference import train_reference
 from runtime.sharded_optimizer import partition_owners
-from profiles.model_file import load_spec
 
-from runtime_cases import GPT, MLP, make_plan
+from runtime_cases import MLP, make_plan
 
 STEPS = 3
 DRIVER = Path(__file__).parent / "runtime_driver.py"
