@@ -214,6 +214,7 @@ def solve(
     memory_limit: Optional[str] = typer.Option(None, help="Memory per GPU plans may use, e.g. 70GiB (default: the hardware's usable memory)."),
     top: int = typer.Option(5, help="How many of the best layouts to show and keep."),
     solver: str = typer.Option("cbc", help="cbc (bundled) | highs."),
+    time_limit: float = typer.Option(20.0, help="Seconds per layout MILP; a layout found at the limit is marked unproven."),
     dp: Optional[int] = typer.Option(None, help="Pin the data-parallel degree."),
     tp: Optional[int] = typer.Option(None, help="Pin the tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Pin the pipeline-parallel degree."),
@@ -237,7 +238,7 @@ def solve(
         opts = SolveOptions(gpus=gpus, hardware=hw, gpus_per_node=gpus_per_node, global_batch=global_batch,
                             memory_limit=limit, top_k=top, solver=solver, dp=dp, tp=tp, pp=pp,
                             micro_batch=micro_batch, zero=zero, schedule=schedule, checkpoint=checkpoint,
-                            offload=offload)
+                            offload=offload, time_limit=time_limit)
         with Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as bar:
             task = bar.add_task("solve", total=None)
@@ -256,8 +257,10 @@ def solve(
         fail(str(e))
     print_top(result, limit_bytes)
     print_plan(plan)
-    out.print(f"{result.candidates} layouts: {result.solved} solved, {result.pruned} pruned by the time bound, "
+    out.print(f"{result.candidates} layouts: {result.solved} solved, {result.pruned} pruned by bounds, "
               f"{result.infeasible} proven not to fit.")
+    for note in result.notes:
+        out.print(f"[yellow]note:[/] {note}", highlight=False)
     out.print(f"wrote [bold]{output}[/]; run it with:\n  {plan.launch}")
 
 

@@ -166,6 +166,13 @@ class CostModel:
         return self.hw.inter_node_bandwidth, self.hw.inter_node_latency
 
     # -- one layer --------------------------------------------------------------------
+    def sample(self, i: int, b: int, tp: int) -> LayerSample:
+        """Layer i's figures at micro-batch b under tensor parallelism tp (memoised)."""
+        key = ("sample", i, b, tp)
+        if key not in self._cache:
+            self._cache[key] = self.profile.layers[i].at_tp(b, tp)
+        return self._cache[key]
+
     def layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
         key = (cand, i, checkpoint, offload)
         if key not in self._cache:
@@ -187,7 +194,7 @@ class CostModel:
 
     def _layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
         lp = self.profile.layers[i]
-        s = lp.at_tp(cand.micro_batch_size, cand.tp)
+        s = self.sample(i, cand.micro_batch_size, cand.tp)
         d, t = cand.dp, cand.tp
         shapes = local_shapes(lp, t)
         full_numel = sum(_numel(sh) for sh in shapes)
@@ -296,8 +303,8 @@ class CostModel:
             static += int(self.profile.batch["target_bytes_per_sample"] * b * m)
         per_mb = 0
         if cand.pp > 1:
-            s_in = self.profile.layers[first].at_tp(b, cand.tp)
-            s_out = self.profile.layers[last].at_tp(b, cand.tp)
+            s_in = self.sample(first, b, cand.tp)
+            s_out = self.sample(last, b, cand.tp)
             if first > 0:
                 per_mb += s_in.input_bytes            # the received input, kept for its backward
             if last < self.profile.n_layers - 1:
@@ -305,6 +312,12 @@ class CostModel:
         return static, per_mb
 
     def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
+        key = ("stage", cand, stage, tuple(choices))
+        if key not in self._cache:
+            self._cache[key] = self._stage_memory(cand, stage, choices)
+        return self._cache[key]
+
+    def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
         costs, loss = self.stage_costs(cand, stage, choices)
         static, per_mb = self.stage_buffers(cand, stage, choices)
         gathered = sum(c.gathered for c in costs)
@@ -335,9 +348,9 @@ class CostModel:
         first, last = choices[0][0], choices[-1][0]
         nbytes = 0
         if first > 0:
-            nbytes += self.profile.layers[first].at_tp(b, cand.tp).input_bytes
+            nbytes += self.sample(first, b, cand.tp).input_bytes
         if last < self.profile.n_layers - 1:
-            nbytes += self.profile.layers[last].at_tp(b, cand.tp).output_bytes
+            nbytes += self.sample(last, b, cand.tp).output_bytes
         bw, lat = self._link(cand.dp * cand.tp * 2)
         return nbytes / bw + 2 * lat
 

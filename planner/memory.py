@@ -132,30 +132,36 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
 
     held = 0                 # micro-batches between their F and their B
     grads_exist = False      # after the first backward, every gradient stays allocated
+    walked = set()           # actions alike in what is live give identical records: walk one
     for kind, mb in actions:
-        others = held * per_mb
+        if kind == "B":
+            held -= 1
+        key = (kind, held, grads_exist)
+        if key not in walked:
+            walked.add(key)
+            others = held * per_mb
+            if kind == "F":
+                g = grads_all if grads_exist else 0
+                kept = per_micro_batch_buffers
+                for i, l in enumerate(seq):
+                    x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
+                    record(f"F mb {mb} {_name(i, layers)}", g, others + kept + x_extra + l.own + l.output + l.fwd_transient)
+                    kept += add[i]
+            else:
+                kept = per_mb
+                grads_done = 0
+                for i in reversed(range(n)):
+                    l = seq[i]
+                    g = grads_all if grads_exist else grads_done
+                    g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
+                    delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
+                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta)
+                    kept -= add[i]
+                    if i < len(layers):
+                        grads_done += l.grads
         if kind == "F":
-            g = grads_all if grads_exist else 0
-            kept = per_micro_batch_buffers
-            for i, l in enumerate(seq):
-                x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
-                record(f"F mb {mb} {_name(i, layers)}", g, others + kept + x_extra + l.own + l.output + l.fwd_transient)
-                kept += add[i]
             held += 1
         else:
-            held -= 1
-            others = held * per_mb
-            kept = per_mb
-            grads_done = 0
-            for i in reversed(range(n)):
-                l = seq[i]
-                g = grads_all if grads_exist else grads_done
-                g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
-                delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
-                record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta)
-                kept -= add[i]
-                if i < len(layers):
-                    grads_done += l.grads
             grads_exist = True
     record("optimizer step", grads_all, 0, compute=False)
 

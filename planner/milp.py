@@ -107,11 +107,14 @@ def upper_bound(expr) -> float:
     return ub
 
 
-def add_memory_row(prob: pulp.LpProblem, live, limit: int, gate, name: str) -> None:
+def add_memory_row(prob: pulp.LpProblem, live, limit: int | None, gate, name: str) -> None:
     """live <= limit, enforced only when `gate` (a binary) is 1; scaled by the limit.
 
     The big-M is the tightest one the variables' bounds allow, so the relaxation stays tight.
+    No limit, no row.
     """
+    if limit is None:
+        return
     if gate is None:
         prob += live * (1 / limit) <= 1, name
         return
@@ -120,18 +123,29 @@ def add_memory_row(prob: pulp.LpProblem, live, limit: int, gate, name: str) -> N
 
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "cbc",
-                 time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None) -> Layout:
-    """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it)."""
+                 time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
+                 memory: bool = True) -> Layout:
+    """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
+    `memory=False`: with no memory limit, the fastest layout there is)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.pp
     m = cand.num_micro_batches
-    limit = model.memory_limit
+    limit = model.memory_limit if memory else None
     prob = pulp.LpProblem(f"layout_{cand.describe().replace(' ', '_')}", pulp.LpMinimize)
 
     # -- variables -----------------------------------------------------------------------
     # L[r,s,c]: layers of run r in stage s with choice c.
-    L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, runs[r][1], cat="Integer")
+    n = prof.n_layers
+
+    def most(r: int, s: int) -> int:
+        """How many of run r's layers stage s can hold: layer i fits stage s only if the s
+        stages before it and the S - 1 - s after it can each get a layer."""
+        start, length = runs[r]
+        lo, hi = max(start, s), min(start + length - 1, n - S + s)
+        return max(0, hi - lo + 1)
+
+    L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, most(r, s), cat="Integer")
          for r in range(R) for s in range(S) for c in choices}
     # e: the segment (r, s, c) has a layer; f: it has two or more.
     e = {k: prob.add_variable(f"e_{v.name[2:]}", cat="Binary") for k, v in L.items()}
@@ -184,7 +198,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         before = 1 if r == 0 else full[r - 1, s - 1]
         return before - full[r, s - 1]
 
-    run_input = [prof.layers[start].at_tp(cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
+    run_input = [model.sample(start, cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
 
     for s in range(S):
         last_stage = s == S - 1
@@ -295,6 +309,16 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 once += sync_bytes * (1 / bw) + cand.dp * lat
         prob += omega >= exposed[s] + once * MS, f"time_s{s}_once_per_step"
 
+    # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
+    # that many of the fastest layers take. The relaxation balances layers fractionally and
+    # misses this; with it, balanced layouts of identical layers are proven optimal at once.
+    fastest = sorted(min(cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s for c in choices)
+                     for r, (_, length) in enumerate(runs) for _ in range(length))
+    prob += tau >= sum(fastest[: -(-n // S)]) * MS, "cut_fullest_stage"
+    for r, (_, length) in enumerate(runs):
+        t_r = min(cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s for c in choices)
+        prob += tau >= -(-length // S) * t_r * MS, f"cut_fullest_stage_run{r}"   # some stage holds ceil(len/S) of run r
+
     if fixed is not None:
         for s, layers in enumerate(fixed):
             for (r, s2, c), var in L.items():
@@ -304,7 +328,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     prob += var == count, f"fixed_{var.name}"
 
     status = _solve(prob, solver, time_limit)
-    if status != "optimal":
+    if status not in ("optimal", "time limit"):
         return Layout(status, None, None)
 
     stages: list[list[tuple[int, bool, bool]]] = []
@@ -317,7 +341,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     layers.append((placed[r], c.checkpoint, c.offload))
                     placed[r] += 1
         stages.append(layers)
-    return Layout("optimal", stages, pulp.value(prob.objective) / MS)
+    return Layout(status, stages, pulp.value(prob.objective) / MS)
 
 
 def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
@@ -343,12 +367,13 @@ def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
             cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0,
                                     options=["randomSeed 1", "randomCbcSeed 1"])
     prob.solve(cmd)
-    status = pulp.LpStatus[prob.status]
-    if status == "Optimal":
+    if prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
-    if status == "Infeasible":
+    if prob.status == pulp.LpStatusInfeasible:
         return "infeasible"
-    return status.lower()
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "time limit"          # a layout, but not proven the best
+    return pulp.LpStatus[prob.status].lower()
 
 
 def choices_for(checkpoint: str, offload: str, allow_offload: bool) -> list[Choice]:

@@ -17,7 +17,7 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction, tp_divides
 from .hardware import Hardware
-from .milp import choices_for, solve_layout
+from .milp import choices_for, runs_of, solve_layout
 
 
 class SolveError(Exception):
@@ -41,6 +41,7 @@ class SolveOptions:
     schedule: str | None = None
     checkpoint: str = "auto"                 # none | all | auto
     offload: str = "auto"                    # none | auto
+    time_limit: float = 20.0                 # seconds per MILP; past it the layout is reported as unproven
 
     @property
     def node_size(self) -> int:
@@ -116,6 +117,8 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--offload {opts.offload} is not one of none, auto.")
     if opts.top_k < 1:
         raise SolveError(f"--top is {opts.top_k}; give 1 or more.")
+    if opts.time_limit <= 0:
+        raise SolveError(f"--time-limit is {opts.time_limit}; give a positive number of seconds.")
     if opts.solver not in ("cbc", "highs"):
         raise SolveError(f"--solver {opts.solver} is not cbc or highs.")
     if not any(True for _ in enumerate_candidates(profile, opts)):
@@ -171,15 +174,65 @@ def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
             yield zero, True, want_offload
 
 
-def time_lower_bound(model: CostModel, cand: Candidate) -> float:
-    """No layout of this candidate is faster: perfect balance, no recompute, no offload."""
-    work = sum(_fastest(model, cand, i) for i in range(model.profile.n_layers)) + model.loss(cand).compute_s
-    return (cand.num_micro_batches + cand.pp - 1) * work / cand.pp
+def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
+    """No layout of this candidate is faster.
+
+    step = (m + pp - 1) * tau + omega, with tau at least every stage's time per micro-batch
+    and omega at least every stage's once-per-step work (optimizer, exposed gradient sync).
+    Both are at least their average over stages, which is a sum over layers, so
+        step >= sum over layers of min over choices of ((m + pp - 1) * t + once + sync - window) / pp
+    and the same without the sync term (exposed sync is never negative); also tau is at least
+    the slowest layer's time. Each layer's best choice is taken on its own: a lower bound.
+    """
+    m, pp = cand.num_micro_batches, cand.pp
+    runs = runs_of([l.signature for l in model.profile.layers])
+    with_sync = without_sync = 0.0
+    slowest = 0.0
+    fastest_each: list[float] = []             # every layer's fastest time per micro-batch
+    replicate = cand.fsdp and cand.zero in (0, 1) and cand.dp > 1
+    bw, lat = model._link(cand.dp * cand.tp)
+    for start, length in runs:
+        best_w = best_wo = best_t = None
+        for c in choices:
+            lc = model.layer(cand, start, c.checkpoint, c.offload)
+            t = _time_per_micro_batch(lc)
+            sync = 2 * (cand.dp - 1) / cand.dp * lc.dp_sync_bytes / bw if replicate else 0.0
+            if replicate and cand.zero == 1:
+                sync += lc.dp_sync_bytes / bw
+            wo = (m + pp - 1) * t + lc.step_s
+            w = wo + sync - (lc.compute_s / 2 if replicate else 0.0)
+            best_w = w if best_w is None else min(best_w, w)
+            best_wo = wo if best_wo is None else min(best_wo, wo)
+            best_t = t if best_t is None else min(best_t, t)
+        with_sync += length * best_w
+        without_sync += length * best_wo
+        slowest = max(slowest, best_t)
+        fastest_each += [best_t] * length
+    loss = (m + pp - 1) * model.loss(cand).compute_s
+    latency = 2 * (cand.dp - 1) * lat if replicate else 0.0
+    # Some stage holds at least ceil(n / pp) layers, so it takes at least as long as that
+    # many of the fastest layers; with pp > 1 it also sends or receives one activation.
+    n = len(fastest_each)
+    fullest = max(fullest_stage_bound(model, cand, choices), sum(sorted(fastest_each)[: -(-n // pp)]))
+    if pp > 1:
+        bw_pp, lat_pp = model._link(cand.dp * cand.tp * 2)
+        smallest = min(model.sample(i, cand.micro_batch_size, cand.tp).input_bytes
+                       for start, length in runs for i in (start, start + length - 1) if i > 0)
+        fullest += smallest / bw_pp + 2 * lat_pp
+    return max((with_sync + loss) / pp + latency, (without_sync + loss) / pp, (m + pp - 1) * max(slowest, fullest))
 
 
-def _fastest(model: CostModel, cand: Candidate, i: int) -> float:
-    c = model.layer(cand, i, False, False)
-    return c.compute_s + c.comm_s + c.offload_s
+def fullest_stage_bound(model: CostModel, cand: Candidate, choices) -> float:
+    """Some stage holds ceil(len / pp) layers of each run, so it takes at least that long."""
+    best = 0.0
+    for start, length in runs_of([l.signature for l in model.profile.layers]):
+        t = min(_time_per_micro_batch(model.layer(cand, start, c.checkpoint, c.offload)) for c in choices)
+        best = max(best, -(-length // cand.pp) * t)
+    return best
+
+
+def _time_per_micro_batch(lc) -> float:
+    return lc.compute_s + lc.comm_s + lc.offload_s
 
 
 def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
@@ -188,20 +241,19 @@ def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
     Some stage holds at least 1/pp of the model states that cannot leave the device, and
     every layer must fit its own smallest forward/backward footprint.
     """
-    n = model.profile.n_layers
     states = 0
     single = 0
-    for i in range(n):
+    for start, length in runs_of([l.signature for l in model.profile.layers]):
         best_state, best_alone = None, None
         for c in choices:
-            lc = model.layer(cand, i, c.checkpoint, c.offload)
+            lc = model.layer(cand, start, c.checkpoint, c.offload)
             m = lc.memory
             st = m.weights + m.optim + m.grads
             alone = m.weights + m.optim + m.buffers + lc.gathered + min(
                 m.input + m.own + m.output + m.fwd_transient, m.output + m.bwd_peak)
             best_state = st if best_state is None else min(best_state, st)
             best_alone = alone if best_alone is None else min(best_alone, alone)
-        states += best_state
+        states += length * best_state
         single = max(single, best_alone)
     return max(states // cand.pp, single)
 
@@ -211,14 +263,16 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     check_options(profile, opts)
     model = CostModel(profile, opts.hardware, opts.node_size, opts.memory_limit)
     cands = list(enumerate_candidates(profile, opts))
-    bounded = sorted(((time_lower_bound(model, c), c) for c in cands), key=lambda t: (t[0], t[1]))
+    bounded = sorted(((time_lower_bound(model, c, choices_for(opts.checkpoint, opts.offload, c.allow_offload)), c)
+                      for c in cands), key=lambda t: (t[0], t[1]))
     result = SearchResult([], len(cands), 0, 0, 0)
     closest: tuple[Candidate, int] | None = None
+    one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     for k, (bound, cand) in enumerate(bounded):
         if on_progress:
             on_progress(k, len(bounded))
         if len(result.solutions) >= opts.top_k and bound >= result.solutions[opts.top_k - 1].prediction.step_s:
-            result.pruned = len(bounded) - k
+            result.pruned += len(bounded) - k
             break
         choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
         need = memory_lower_bound(model, cand, choices)
@@ -227,8 +281,13 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             if closest is None or need < closest[1]:
                 closest = (cand, need)
             continue
+        if cand.schedule == "gpipe" and can_only_tie_twin(model, cand, choices, one_f_one_b, opts):
+            result.pruned += 1
+            continue
         result.solved += 1
-        layout = solve_layout(model, cand, choices, opts.solver)
+        layout = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit)
+        if layout.status == "time limit":
+            result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
         if layout.stages is None:
             result.infeasible += 1
             if closest is None or need < closest[1]:
@@ -236,6 +295,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         stages = simplify(model, cand, layout.stages)
         pred = model.evaluate(cand, stages)
+        if cand.schedule == "1f1b" and cand.pp > 1:
+            one_f_one_b[cand] = pred.step_s
         result.solutions.append(Solution(cand, stages, pred))
         result.solutions.sort(key=_rank)
         del result.solutions[opts.top_k:]
@@ -244,6 +305,21 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     if not result.solutions:
         result.closest = closest
     return result
+
+
+def can_only_tie_twin(model: CostModel, cand: Candidate, choices, one_f_one_b: dict, opts: SolveOptions) -> bool:
+    """Whether a GPipe candidate can at best tie its 1F1B twin (same degrees, micro-batching, ZeRO).
+
+    Both schedules take (m + pp - 1) x the slowest stage, so with no memory limit they share
+    the fastest layout. If the twin already reached that time, no GPipe layout is faster; the
+    tie is not listed twice. (1F1B candidates are visited first: they sort before GPipe.)
+    """
+    twin = Candidate(cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.num_micro_batches, cand.zero,
+                     "1f1b", cand.fsdp, cand.allow_offload)
+    if twin not in one_f_one_b:
+        return False
+    free = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, memory=False)
+    return free.status == "optimal" and one_f_one_b[twin] <= free.objective * (1 + 1e-9)
 
 
 def simplify(model: CostModel, cand: Candidate, stages):

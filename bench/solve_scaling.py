@@ -1,0 +1,88 @@
+"""How long `plan solve` takes as the model deepens and the cluster grows.
+
+Builds profiles of LLaMA-7B-sized GPTs with 12 to 96 identical blocks from one fake-mode
+profile of bench/models/gpt7b.py (so no layer is measured twice), and solves each for 1 to
+1024 H100s (8 per node) with every knob free. Goals on a 2-core machine: under 2 s for 32
+layers on 8 GPUs, under 10 s for 80 layers on 1024 GPUs, flat in depth.
+
+    python bench/solve_scaling.py      # prints the table, writes bench/results/solve_scaling.md
+"""
+
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.hardware import get_hardware  # noqa: E402
+from planner.search import SolveOptions, search  # noqa: E402
+from profiles.schema import Profile, load_profile  # noqa: E402
+
+DEPTHS = [12, 24, 32, 48, 64, 80, 96]
+GPUS = [1, 8, 64, 512, 1024]
+
+
+def base_profile() -> Profile:
+    path = Path(tempfile.gettempdir()) / "plan_bench_gpt7b_profile.json"
+    if not path.exists():
+        from typer.main import get_command
+
+        from cli import app
+        get_command(app).main(args=["profile", str(ROOT / "bench/models/gpt7b.py"), "--fake", "--hardware",
+                                    "h100-sxm-80g", "--precision", "mixed", "-o", str(path)], standalone_mode=False)
+    return load_profile(path)
+
+
+def with_depth(prof: Profile, blocks: int) -> Profile:
+    """The same model with `blocks` transformer blocks (embedding and head kept)."""
+    p = copy.deepcopy(prof)
+    block = p.layers[1]
+    layers = [p.layers[0]] + [copy.deepcopy(block) for _ in range(blocks)] + [p.layers[-1]]
+    for i, layer in enumerate(layers):
+        layer.index, layer.name = i, str(i)
+    p.layers = layers
+    return p
+
+
+def main() -> None:
+    prof = base_profile()
+    hw = get_hardware("h100-sxm-80g")
+    table = Table(title="plan solve: wall seconds (candidates / MILPs solved), 7B-width GPT, H100 x N, 8 per node")
+    table.add_column("layers", justify="right")
+    for g in GPUS:
+        table.add_column(f"{g} GPUs", justify="right")
+    rows = []
+    for depth in DEPTHS:
+        p = with_depth(prof, depth - 2)
+        cells = []
+        for g in GPUS:
+            opts = SolveOptions(gpus=g, hardware=hw, global_batch=max(8, 2 * g), top_k=5)
+            t = time.perf_counter()
+            result = search(p, opts)
+            dt = time.perf_counter() - t
+            fit = "" if result.solutions else " none fits"
+            cells.append(f"{dt:.2f} ({result.candidates}/{result.solved}){fit}")
+        rows.append((str(depth), *cells))
+        table.add_row(*rows[-1])
+        Console().print(f"{depth} layers done", style="dim")
+    Console().print(table)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    header = "| layers | " + " | ".join(f"{g} GPUs" for g in GPUS) + " |"
+    lines = [header, "|" + "---|" * (len(GPUS) + 1)] + ["| " + " | ".join(r) + " |" for r in rows]
+    (out / "solve_scaling.md").write_text(
+        f"# Solve time\n\n`python bench/solve_scaling.py` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
+        "wall seconds of `search` (candidates enumerated / MILPs solved), global batch max(8, 2 x GPUs), "
+        "7B-width GPT blocks, mixed precision, AdamW, H100 SXM 80G presets.\n\n" + "\n".join(lines) + "\n")
+    print(f"wrote {out / 'solve_scaling.md'}")
+
+
+if __name__ == "__main__":
+    main()
