@@ -342,20 +342,35 @@ def run(
     print_only: bool = typer.Option(False, "--print", help="Only print the torchrun command."),
 ):
     """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`)."""
+    import os
     import shlex
     import subprocess
+
     from planner.plan import load_plan
+    from runtime.launch import build_command
     try:
         plan = load_plan(plan_path)
-        from runtime.launch import build_command
+        if not print_only:
+            # What every rank would refuse, refused here once, before torchrun starts.
+            from profiles.model_file import load_spec
+            load_spec(plan.model)
         cmd = build_command(str(plan_path), plan, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                             steps=steps, out=str(run_out) if run_out else None)
     except expected_errors() as e:
         fail(str(e))
+    except ValueError as e:
+        fail(f"{e}; check --nnodes, --node-rank and --rdzv-endpoint.")
+    if steps is not None and steps < 1:
+        fail(f"--steps is {steps}; give 1 or more.")
     out.print(shlex.join(cmd), highlight=False, soft_wrap=True)
     if print_only:
         return
-    code = subprocess.call(cmd)
+    # torchrun sets one thread per process only for several processes; CPU plans on a
+    # small machine are much slower when a lone process's threads fight other work.
+    env = {**os.environ}
+    if plan.device_type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    code = subprocess.call(cmd, env=env)
     if code:
         raise typer.Exit(code)
 

@@ -11,9 +11,9 @@ import contextlib
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh) -> nn.Module:
