@@ -292,24 +292,38 @@ class CostModel:
         last = choices[-1][0] == self.profile.n_layers - 1
         return costs, (self.loss(cand) if last else None)
 
-    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[int, int]:
-        """(bytes alive all step, bytes per in-flight micro-batch) outside the layers."""
+    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[int, int, int]:
+        """Bytes outside the layers: (alive all step, per in-flight micro-batch, in a forward
+        that follows a backward).
+
+        The batch: inputs on the first stage, targets on the last. torch.distributed.pipelining
+        keeps, besides: a receive buffer per micro-batch for the activations a later stage
+        gets and for the gradients an earlier stage gets back (allocated once, kept between
+        steps; a received activation is used in place); each in-flight micro-batch's stage
+        output, until its backward; and, while the next forward runs, the input gradient the
+        last backward produced (until its send completes) and, on the last stage, the
+        previous micro-batch's output (the schedule's loop variable still holds it).
+        """
         b, m = cand.micro_batch_size, cand.num_micro_batches
         first, last = choices[0][0], choices[-1][0]
-        static = 0
-        if first == 0:
+        is_first, is_last = first == 0, last == self.profile.n_layers - 1
+        static = per_mb = after_backward = 0
+        if is_first:
             static += int(self.profile.batch["input_bytes_per_sample"] * b * m)
-        if last == self.profile.n_layers - 1:
+        if is_last:
             static += int(self.profile.batch["target_bytes_per_sample"] * b * m)
-        per_mb = 0
         if cand.pp > 1:
-            s_in = self.sample(first, b, cand.tp)
-            s_out = self.sample(last, b, cand.tp)
-            if first > 0:
-                per_mb += s_in.input_bytes            # the received input, kept for its backward
-            if last < self.profile.n_layers - 1:
-                per_mb += s_out.output_bytes          # the output, kept until its gradient arrives
-        return static, per_mb
+            stage_in = self.sample(first, b, cand.tp).input_bytes
+            stage_out = self.sample(last, b, cand.tp).output_bytes
+            per_mb += stage_out
+            if not is_first:
+                static += m * stage_in
+                after_backward += stage_in
+            if not is_last:
+                static += m * stage_out
+            else:
+                after_backward += stage_out
+        return static, per_mb, after_backward
 
     def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
         key = ("stage", cand, stage, tuple(choices))
@@ -319,12 +333,13 @@ class CostModel:
 
     def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
         costs, loss = self.stage_costs(cand, stage, choices)
-        static, per_mb = self.stage_buffers(cand, stage, choices)
+        static, per_mb, after_backward = self.stage_buffers(cand, stage, choices)
         gathered = sum(c.gathered for c in costs)
         actions = schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches)
         return walk_stage([c.memory for c in costs], loss.memory if loss else None,
                           static_buffers=static, compute_buffers=gathered, actions=actions,
-                          per_micro_batch_buffers=per_mb, input_is_held=True)
+                          per_micro_batch_buffers=per_mb, after_backward_buffers=after_backward,
+                          input_is_held=True)
 
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""

@@ -102,15 +102,19 @@ def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
 
 def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_buffers: int,
                actions: list[tuple[str, int]], per_micro_batch_buffers: int = 0,
-               compute_buffers: int = 0, input_is_held: bool = True) -> StageMemory:
+               compute_buffers: int = 0, after_backward_buffers: int = 0,
+               input_is_held: bool = True) -> StageMemory:
     """Walk one step of a stage holding `layers` (and the loss, on the last stage).
 
     static_buffers: bytes alive the whole step besides weights, grads and optimizer states
         (module buffers, this rank's batch, persistent communication buffers).
-    per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers
-        (the pipeline's cached stage input and output).
+    per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers, from
+        the end of its forward to its backward (the pipeline's cached stage output; counted
+        even when the last layer keeps its output too: a small overcount for such layers).
     compute_buffers: bytes alive through every forward and backward but freed before the
         optimizer step (unsharded parameters FSDP2 keeps between forward and backward).
+    after_backward_buffers: bytes alive during a forward that follows a backward (what the
+        pipeline still holds from that backward).
     input_is_held: the first layer's input is alive anyway (the batch, or the pipeline's
         cached input), so it is never counted as an activation.
     """
@@ -142,7 +146,9 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
             others = held * per_mb
             if kind == "F":
                 g = grads_all if grads_exist else 0
-                kept = per_micro_batch_buffers
+                # This micro-batch's own per-micro-batch buffers (the stage output) appear only
+                # as its last layer's output; the held ones are in `others`.
+                kept = after_backward_buffers if grads_exist else 0
                 for i, l in enumerate(seq):
                     x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
                     record(f"F mb {mb} {_name(i, layers)}", g, others + kept + x_extra + l.own + l.output + l.fwd_transient)

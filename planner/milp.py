@@ -216,10 +216,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             prob += E[k] <= prev_E + e[k], f"E_{L[k].name[2:]}_pass"
             prev_E = E[k]
 
-        # Stage input / output held per in-flight micro-batch (pipeline caches) and p2p bytes.
+        # The tensors a pipeline stage receives and sends (CostModel.stage_buffers): receive
+        # buffers for every micro-batch (static), the stage output per in-flight micro-batch,
+        # and what a forward that follows a backward still sees of it.
         stage_in = pulp.lpSum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
-        stage_out = pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage else 0
-        pmb = stage_in + stage_out if S > 1 else 0
+        stage_out = (pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
+                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
+        pmb = stage_out if S > 1 else 0
+        recv_buffers = m * ((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0
+        after_backward = ((stage_in if s > 0 else 0) + (stage_out if last_stage else 0)) if S > 1 else 0
 
         # What each segment keeps for backward in one micro-batch, and its prefix sums.
         def seg_total(r, c):
@@ -245,7 +250,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         bufs = pulp.lpSum(mem[r, c].buffers * L[r, s, c] for r, c in seg)
         gathered = pulp.lpSum(cost[r, c].gathered * L[r, s, c] for r, c in seg)
         static_batch, _ = _static_batch(model, cand, s)
-        static = weights + optim + bufs + static_batch
+        static = weights + optim + bufs + static_batch + recv_buffers
         compute_static = static + gathered
 
         sc = scenarios(cand, s)
@@ -260,10 +265,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             f_first = lm.input * (1 - kp[k]) + lm.own + lm.output + lm.fwd_transient
             f_last = total - a_in + lm.input * (0 if lm.keeps_output else 1) + lm.own + lm.output + lm.fwd_transient
             name = L[k].name[2:]
-            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all)):
+            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
                 if held is None:
                     continue
-                base = compute_static + held * per_mb + pmb + prefix + grads
+                base = compute_static + held * per_mb + prefix + grads
                 add_memory_row(prob, base + f_first, limit, e[k], f"mem_{name}_{tag}_first")
                 add_memory_row(prob, base + f_last, limit, f[k], f"mem_{name}_{tag}_last")
             # First backward: gradients of later layers exist, this segment's appear one by one.
@@ -278,10 +283,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         if last_stage:
             lm = loss.memory
             x_extra = lm.input * (1 - loss_kp)
-            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all)):
+            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
                 if held is None:
                     continue
-                add_memory_row(prob, compute_static + held * per_mb + pmb + prefix + grads + x_extra + lm.own
+                add_memory_row(prob, compute_static + held * per_mb + prefix + grads + x_extra + lm.own
                                + lm.output + lm.fwd_transient, limit, None, f"mem_s{s}_loss_{tag}")
             add_memory_row(prob, compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak,
                            limit, None, f"mem_s{s}_loss_b0")
@@ -296,7 +301,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             per_mb_time += loss.compute_s
         if S > 1:
             bw, lat = model._link(cand.dp * cand.tp * 2)
-            per_mb_time += (stage_in + stage_out) * (1 / bw) + 2 * lat
+            sent = (stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)
+            per_mb_time += sent * (1 / bw) + 2 * lat
         prob += tau >= per_mb_time * MS, f"time_s{s}_per_micro_batch"
         sync_bytes = pulp.lpSum(cost[r, c].dp_sync_bytes * L[r, s, c] for r, c in seg)
         once = pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg)
