@@ -218,7 +218,9 @@ class CostModel:
         grads = shard_numel * reduce_isz
         optim = optimizer_bytes(self.profile.optimizer, shard_numel, n_tensors, self.store_isz)
         if cand.fsdp and cand.zero == 1 and mode == "replicate":
-            optim = optimizer_bytes(self.profile.optimizer, -(-full_numel // d), n_tensors, self.store_isz)
+            # ZeRO-1: each rank steps ceil(n / dp) elements of every parameter (rank 0 the most).
+            optim = optimizer_bytes(self.profile.optimizer, sum(-(-_numel(sh) // d) for sh in shapes),
+                                    n_tensors, self.store_isz)
 
         unsharded = full_numel * self.compute_isz                 # the copy FSDP2 gathers compute onto
         gather_flat = d * shard_numel * self.compute_isz if (mode in ("shard", "shard_keep") and d > 1) else 0
@@ -233,23 +235,24 @@ class CostModel:
             keeps_in, keeps_out = s.saved_input_bytes > 0, s.saved_output_bytes > 0
             fwd_t, bwd_p, bwd_a = s.fwd_transient_bytes, s.bwd_peak_bytes, s.bwd_accum_peak_bytes
 
+        # FSDP2's buffers (see memory.walk_stage for when each is alive): the unsharded copy
+        # compute runs on, the all-gather's flat output, the reduce-scatter's flat input.
         gathered = 0
+        unsharded_now = 0
+        # (with dp 1 too: FSDP2 still copies the gradients into a reduce-scatter input)
+        reduce_flat = d * shard_numel * reduce_isz if mode in ("shard", "shard_keep") else 0
         if mode == "shard":
-            # Forward: gather (flat buffer + the unsharded copy), compute, free both.
-            fwd_t = unsharded + max(gather_flat, own + s.output_bytes + fwd_t) - own - s.output_bytes
-            # Backward: gather again; the gradients reduce-scatter through a flat buffer.
-            rs = d * shard_numel * reduce_isz if d > 1 else 0
+            unsharded_now = unsharded
             # Unsharded gradients never accumulate: each micro-batch reduce-scatters its own.
-            bwd_p = bwd_a = unsharded + max(gather_flat, bwd_p + rs)
+            bwd_a = bwd_p
         elif mode in ("shard_keep", "replicate"):
             gathered = unsharded
-            rs = d * shard_numel * reduce_isz if (mode == "shard_keep" and d > 1) else 0
-            fwd_t = max(fwd_t, gather_flat - own - s.output_bytes)
-            bwd_p, bwd_a = bwd_p + rs, bwd_a + rs
 
         mem = LayerMemory(weights=weights, grads=grads, optim=optim, buffers=lp.buffer_bytes,
                           input=s.input_bytes, output=s.output_bytes, own=own, keeps_input=keeps_in,
-                          keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a)
+                          keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a,
+                          unsharded=unsharded_now, gather_flat=gather_flat, reduce_flat=reduce_flat,
+                          gathers_in_backward=mode == "shard")
 
         # Time per micro-batch.
         fwd_s, bwd_s = self._times(s)
@@ -273,7 +276,8 @@ class CostModel:
         # exceeds this layer's compute is exposed. TP all-reduces sit on the critical path.
         comm = tp_comm + max(0.0, fsdp_comm - compute)
         offload_s = 0.0
-        step_s = self._optimizer_s(shard_numel if mode != "replicate" or cand.zero != 1 else -(-full_numel // d))
+        step_s = self._optimizer_s(shard_numel if mode != "replicate" or cand.zero != 1
+                                   else sum(-(-_numel(sh) // d) for sh in shapes))
         if offload:
             h2d = self.hw.host_to_device_bandwidth
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d

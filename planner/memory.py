@@ -12,6 +12,12 @@ moment the live bytes are:
                 input) counted once if either keeps it
   the current   the input being consumed, the output being produced and the layer's own
   layer         transient peak above that (measured by the profiler)
+  FSDP2         a fully_shard layer's unsharded copy while it computes; its all-gather's flat
+  buffers       buffer, from its forward pre-hook until the next layer's copy-out (so the
+                previous layer's is alive at a pre-hook, and the last layer's through the
+                loss); in backward, the next layer (in backward order) is gathered ahead
+                during this one, and this one's reduce-scatter input stays until the next
+                layer's reduce-scatter
 
 `walk_stage` walks these actions one layer at a time; it is the reference the MILP in
 `planner/milp.py` is tested against.
@@ -38,6 +44,11 @@ class LayerMemory:
     fwd_transient: int       # forward's peak above input + own + output
     bwd_peak: int            # backward's peak above what is live when it starts (gradients new)
     bwd_accum_peak: int      # the same when gradients already exist
+    # FSDP2 (fully_shard) units; 0 elsewhere:
+    unsharded: int = 0       # the unsharded copy, gathered for this layer's forward and backward only
+    gather_flat: int = 0     # the all-gather's flat output buffer
+    reduce_flat: int = 0     # the reduce-scatter's flat input buffer
+    gathers_in_backward: bool = False   # parameters are gathered again for backward (resharded after forward)
 
 
 @dataclass
@@ -151,7 +162,12 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                 kept = after_backward_buffers if grads_exist else 0
                 for i, l in enumerate(seq):
                     x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
-                    record(f"F mb {mb} {_name(i, layers)}", g, others + kept + x_extra + l.own + l.output + l.fwd_transient)
+                    prev_flat = seq[i - 1].gather_flat if i > 0 else 0
+                    name = f"F mb {mb} {_name(i, layers)}"
+                    if l.gather_flat or l.unsharded:
+                        record(name + " (gather)", g, others + kept + x_extra + prev_flat + l.gather_flat + l.unsharded)
+                    record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient
+                           + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
                     kept += add[i]
             else:
                 kept = per_mb
@@ -161,7 +177,15 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                     g = grads_all if grads_exist else grads_done
                     g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
                     delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
-                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta)
+                    # Gathered ahead: the layer whose backward comes next (if it gathers);
+                    # still alive: the reduce-scatter input of the layer whose backward came before,
+                    # and the last layer's forward all-gather buffer while the loss runs.
+                    ahead = seq[i - 1].gather_flat if (i > 0 and seq[i - 1].gathers_in_backward and l is not loss) else 0
+                    behind = seq[i + 1].reduce_flat if i + 1 < n else 0
+                    if l is loss and i > 0:
+                        behind = seq[i - 1].gather_flat
+                    record(f"B mb {mb} {_name(i, layers)}", g,
+                           others + kept + g_out + delta + l.unsharded + ahead + behind)
                     kept -= add[i]
                     if i < len(layers):
                         grads_done += l.grads

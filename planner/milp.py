@@ -256,29 +256,90 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         sc = scenarios(cand, s)
         add_memory_row(prob, static + grads_all, limit, None, f"mem_s{s}_optimizer_step")
 
+        # FSDP2 buffers of neighbouring layers (memory.walk_stage): chains over the stage's
+        # segments give the all-gather buffer of the layer before a segment (forward, and
+        # backward when it gathers again) and the reduce-scatter buffer of the layer after it.
+        # Each is bounded below by the truth and only adds memory, so it takes the truth.
+        fsdp = any(mem[q].gather_flat or mem[q].reduce_flat or mem[q].unsharded for q in seg)
+        before_flat, before_bflat, after_rs = {}, {}, {}
+        if fsdp:
+            fl_max = max(mem[q].gather_flat for q in seg)
+            rs_max = max(mem[q].reduce_flat for q in seg)
+            prev_a = prev_b = 0
+            for (r, c) in seg:
+                k, lm = (r, s, c), mem[r, c]
+                before_flat[r, c], before_bflat[r, c] = prev_a, prev_b
+                a = prob.add_variable(f"flat_after_{L[k].name[2:]}", 0, fl_max)
+                b = prob.add_variable(f"bflat_after_{L[k].name[2:]}", 0, fl_max)
+                prob += a >= lm.gather_flat * e[k], f"flat_after_{L[k].name[2:]}_own"
+                prob += a >= prev_a - fl_max * e[k], f"flat_after_{L[k].name[2:]}_pass"
+                bf = lm.gather_flat if lm.gathers_in_backward else 0
+                prob += b >= bf * e[k], f"bflat_after_{L[k].name[2:]}_own"
+                prob += b >= prev_b - fl_max * e[k], f"bflat_after_{L[k].name[2:]}_pass"
+                prev_a, prev_b = a, b
+            last_flat = prev_a
+            nxt = 0
+            for (r, c) in reversed(seg):
+                k, lm = (r, s, c), mem[r, c]
+                after_rs[r, c] = nxt
+                z = prob.add_variable(f"rs_from_{L[k].name[2:]}", 0, rs_max)
+                prob += z >= lm.reduce_flat * e[k], f"rs_from_{L[k].name[2:]}_own"
+                prob += z >= nxt - rs_max * e[k], f"rs_from_{L[k].name[2:]}_pass"
+                nxt = z
+        else:
+            last_flat = 0
+            for q in seg:
+                before_flat[q] = before_bflat[q] = after_rs[q] = 0
+
         prefix = 0                      # kept activations of the segments before this one
         for idx, (r, c) in enumerate(seg):
             k, lm = (r, s, c), mem[r, c]
             total, a_in = totals[r, c]
+            ki, ko = (1 if lm.keeps_input else 0), (1 if lm.keeps_output else 0)
+            a_first = a_in + lm.input * ki * (ko - kp[k])
             g_after = pulp.lpSum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
             gout = lm.output
-            f_first = lm.input * (1 - kp[k]) + lm.own + lm.output + lm.fwd_transient
-            f_last = total - a_in + lm.input * (0 if lm.keeps_output else 1) + lm.own + lm.output + lm.fwd_transient
+            own_bflat = lm.gather_flat if lm.gathers_in_backward else 0
+            here = lm.own + lm.output + lm.fwd_transient + lm.unsharded + lm.gather_flat
             name = L[k].name[2:]
+            # -- forward records: the segment's first layer and its last -------------------
             for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
                 if held is None:
                     continue
                 base = compute_static + held * per_mb + prefix + grads
-                add_memory_row(prob, base + f_first, limit, e[k], f"mem_{name}_{tag}_first")
-                add_memory_row(prob, base + f_last, limit, f[k], f"mem_{name}_{tag}_last")
-            # First backward: gradients of later layers exist, this segment's appear one by one.
-            base = compute_static + sc.b_first * per_mb + pmb + prefix + g_after + gout + lm.bwd_peak
-            a_first = a_in + lm.input * (1 if lm.keeps_input else 0) * ((1 if lm.keeps_output else 0) - kp[k])
-            add_memory_row(prob, base + a_first + lm.grads * (L[k] - 1), limit, e[k], f"mem_{name}_b0_first")
-            add_memory_row(prob, base + total, limit, e[k], f"mem_{name}_b0_last")
-            if sc.b_later is not None:
-                base = compute_static + sc.b_later * per_mb + pmb + prefix + grads_all + gout + lm.bwd_accum_peak
-                add_memory_row(prob, base + total, limit, e[k], f"mem_{name}_b1_last")
+                add_memory_row(prob, base + lm.input * (1 - kp[k]) + here, limit, e[k], f"mem_{name}_{tag}_first")
+                add_memory_row(prob, base + total - a_in + lm.input * (1 - ko) + here, limit, f[k], f"mem_{name}_{tag}_last")
+                if lm.gather_flat or lm.unsharded:
+                    gather = lm.gather_flat + lm.unsharded
+                    add_memory_row(prob, base + lm.input * (1 - kp[k]) + before_flat[r, c] + gather, limit, e[k],
+                                   f"mem_{name}_{tag}_first_gather")
+                    add_memory_row(prob, base + total - a_in + lm.input * (1 - ko) + lm.gather_flat + gather, limit,
+                                   f[k], f"mem_{name}_{tag}_last_gather")
+            # -- backward records --------------------------------------------------------------
+            # At position j of the segment: kept through j, gradients of the layers after j
+            # (first backward) or all (later ones), the layer's peak, and the neighbours'
+            # buffers: the segment's first layer sees the layer before it, its last layer the
+            # one after it; layers inside see their own kind. Inside, the record is affine in j,
+            # so j = 1 and j = L-2 bound it (when L >= 3).
+            for tag, held, first_bwd in (("b0", sc.b_first, True), ("b1", sc.b_later, False)):
+                if held is None:
+                    continue
+                delta = lm.bwd_peak if first_bwd else lm.bwd_accum_peak
+                base = compute_static + held * per_mb + pmb + prefix + gout + delta + lm.unsharded
+                grads = (lambda after: g_after + lm.grads * after) if first_bwd else (lambda after: grads_all)
+                rows = [
+                    ("first", a_first, grads(L[k] - 1), before_bflat[r, c], lm.reduce_flat, f[k]),
+                    ("last", total, grads(0), own_bflat, after_rs[r, c], f[k]),
+                    ("only", a_first, grads(0), before_bflat[r, c], after_rs[r, c], e[k] - f[k]),
+                ]
+                if fsdp:
+                    h = prob.add_variable(f"h_{name}_{tag}", cat="Binary")     # the segment has three or more layers
+                    prob += L[k] >= 3 * h, f"h_{name}_{tag}_lo"
+                    prob += L[k] <= 2 + runs[r][1] * h, f"h_{name}_{tag}_hi"
+                    rows += [("second", a_first + a_in, grads(L[k] - 2), own_bflat, lm.reduce_flat, h),
+                             ("penultimate", total - a_in, grads(1), own_bflat, lm.reduce_flat, h)]
+                for where, kept, g, ahead, behind, gate in rows:
+                    add_memory_row(prob, base + kept + g + ahead + behind, limit, gate, f"mem_{name}_{tag}_{where}")
             prefix = prefix + total
         if last_stage:
             lm = loss.memory
@@ -287,12 +348,12 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 if held is None:
                     continue
                 add_memory_row(prob, compute_static + held * per_mb + prefix + grads + x_extra + lm.own
-                               + lm.output + lm.fwd_transient, limit, None, f"mem_s{s}_loss_{tag}")
-            add_memory_row(prob, compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak,
+                               + lm.output + lm.fwd_transient + last_flat, limit, None, f"mem_s{s}_loss_{tag}")
+            add_memory_row(prob, compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak + last_flat,
                            limit, None, f"mem_s{s}_loss_b0")
             if sc.b_later is not None:
                 add_memory_row(prob, compute_static + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
-                               + lm.bwd_accum_peak, limit, None, f"mem_s{s}_loss_b1")
+                               + lm.bwd_accum_peak + last_flat, limit, None, f"mem_s{s}_loss_b1")
 
         # -- time -----------------------------------------------------------------------
         per_mb_time = pulp.lpSum((cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s) * L[r, s, c]

@@ -5,11 +5,11 @@ stepping each parameter's local tensor (its TP and/or FSDP shard) is the same up
 stepping the DTensor. It also keeps `fused=True` possible: DTensor has no sharding rule for
 `_fused_sgd_`.
 
-ZeRO-1 (zero == 1): the parameters that replicate keeps in full on every dp rank are split
-among the dp ranks by `partition_owners`; a rank runs the inner optimizer only on the ones it
-owns, so only it holds their optimizer states, then every parameter is broadcast from its
-owner over the dp group. Parameters FSDP2 already shards (offloaded layers) are stepped by
-every rank on its own shard.
+ZeRO-1 (zero == 1): every parameter that replicate keeps in full on each dp rank is split
+into dp equal chunks of its flattened elements (`chunk_bounds`); a rank runs the inner
+optimizer on its own chunk only, so it holds 1/dp of every optimizer state, then each chunk
+is broadcast from its owner over the dp group. Parameters FSDP2 already shards (offloaded
+layers) are stepped by every rank on its own shard.
 """
 
 from __future__ import annotations
@@ -34,20 +34,11 @@ def build_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torc
                weight_decay=config.weight_decay, fused=True)
 
 
-def partition_owners(numels: list[int], dp: int) -> list[int]:
-    """ZeRO-1 owner (dp rank) of each parameter.
-
-    Parameters in model order (stage by stage, then `module.parameters()` order), each to the
-    dp rank that owns the fewest elements so far, the lowest rank on a tie. `numels` are the
-    elements each rank holds of the parameter (after TP sharding).
-    """
-    loads = [0] * dp
-    owners = []
-    for n in numels:
-        owner = loads.index(min(loads))
-        owners.append(owner)
-        loads[owner] += n
-    return owners
+def chunk_bounds(numel: int, dp: int) -> list[tuple[int, int]]:
+    """[start, end) of each dp rank's chunk of a flattened parameter: ceil(numel / dp) elements
+    each, the last ones shorter (or empty)."""
+    size = -(-numel // dp)
+    return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(dp)]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +48,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ShardedOptimizer:
     """Steps `params` (this rank's, in model order) with the plan's optimizer.
 
-    dp_group set (ZeRO-1): the parameters in `replicated` are owned one rank each.
+    dp_group set (ZeRO-1): each of the parameters in `replicated` is stepped in dp chunks,
+    one per rank, then reassembled by broadcasts.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], config: OptimizerConfig,
@@ -66,11 +58,9 @@ class ShardedOptimizer:
         self.config = config
         self.group = dp_group
         shared_ids = {id(p) for p in replicated} if dp_group is not None else set()
-        shared = [p for p in self.params if id(p) in shared_ids]
-        owner_of = dict(zip(map(id, shared), partition_owners([local(p).numel() for p in shared], dp_group.size()))) if shared else {}
-        me = dp_group.rank() if dp_group is not None else 0
-        self.broadcasts = [(p, owner_of[id(p)]) for p in shared]
-        self.stepped = [p for p in self.params if owner_of.get(id(p), me) == me]
+        self.chunked = [p for p in self.params if id(p) in shared_ids]
+        self.whole = [p for p in self.params if id(p) not in shared_ids]
+        self.me = dp_group.rank() if dp_group is not None else 0
         self.aliases: list[nn.Parameter] = []
         self.inner: torch.optim.Optimizer | None = None
 
@@ -79,21 +69,33 @@ class ShardedOptimizer:
         return self.inner.state if self.inner is not None else {}
 
     def state_of(self, params: Iterable[torch.Tensor]) -> list[dict]:
-        """The optimizer states of these parameters (those this rank steps)."""
-        by_id = {id(p): a for p, a in zip(self.stepped, self.aliases)}
+        """The optimizer states of these parameters (those this rank steps whole)."""
+        by_id = {id(p): a for p, a in zip(self.whole, self.aliases)}
         return [self.state[by_id[id(p)]] for p in params if id(p) in by_id and by_id[id(p)] in self.state]
+
+    def _my_chunk(self, t: torch.Tensor) -> torch.Tensor:
+        lo, hi = chunk_bounds(t.numel(), self.group.size())[self.me]
+        return t.view(-1)[lo:hi]
 
     def step(self) -> None:
         if self.inner is None:
             # Built at the first step, after FSDP2's lazy init has settled every local tensor;
-            # nn.Parameter(t) shares t's storage, so the update lands in the real parameter.
-            self.aliases = [nn.Parameter(local(p).detach()) for p in self.stepped]
+            # nn.Parameter(view) shares the view's storage, so the update lands in the real parameter.
+            self.aliases = ([nn.Parameter(local(p).detach()) for p in self.whole]
+                            + [nn.Parameter(self._my_chunk(local(p).detach())) for p in self.chunked])
             self.inner = build_optimizer(self.aliases, self.config)
-        for p, alias in zip(self.stepped, self.aliases):
-            alias.grad = None if p.grad is None else local(p.grad)
+        n_whole = len(self.whole)
+        for k, (p, alias) in enumerate(zip(self.whole + self.chunked, self.aliases)):
+            if p.grad is None:
+                alias.grad = None
+            else:
+                alias.grad = local(p.grad) if k < n_whole else self._my_chunk(local(p.grad))
         self.inner.step()
-        for p, owner in self.broadcasts:
-            dist.broadcast(local(p).detach(), group=self.group, group_src=owner)
+        for p in self.chunked:
+            flat = local(p).detach().view(-1)
+            for owner, (lo, hi) in enumerate(chunk_bounds(flat.numel(), self.group.size())):
+                if hi > lo:
+                    dist.broadcast(flat[lo:hi], group=self.group, group_src=owner)
 
     def zero_grad(self) -> None:
         """Drop every gradient (set_to_none), the aliases' too, so that none outlives the step."""

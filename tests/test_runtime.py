@@ -35,7 +35,7 @@ from planner.plan import OptimizerConfig
 from profiles.model_file import load_spec
 from runtime.launch import build_command
 from runtime.reference import train_reference
-from runtime.sharded_optimizer import partition_owners
+from runtime.sharded_optimizer import chunk_bounds
 
 from runtime_cases import MLP, make_plan
 
@@ -189,10 +189,11 @@ def test_cli_run_writes_the_report(tmp_path):
     torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **FP32_TOL)
 
 
-def test_zero1_partition_is_greedy_in_model_order():
-    # each parameter to the dp rank owning the fewest elements so far, the lowest on a tie
-    assert partition_owners([10, 3, 3, 5, 1], 2) == [0, 1, 1, 1, 0]
-    assert partition_owners([4, 4, 4, 4], 3) == [0, 1, 2, 0]
+def test_zero1_chunks_every_parameter_evenly():
+    # ceil(numel / dp) flattened elements per rank, the last chunks shorter or empty
+    assert chunk_bounds(10, 2) == [(0, 5), (5, 10)]
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
 def test_launch_command_for_one_and_several_nodes():
