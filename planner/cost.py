@@ -71,7 +71,6 @@ class LayerCost:
     """What one layer costs one rank under a candidate and a choice."""
 
     memory: LayerMemory
-    gathered: int          # bytes alive from the layer's forward to its backward outside `memory` (FSDP unsharded copy kept)
     compute_s: float       # forward + backward (+ recompute) per micro-batch
     comm_s: float          # exposed collective time per micro-batch (TP all-reduces, FSDP gathers / reduce-scatters)
     offload_s: float       # host<->device copies per micro-batch
@@ -189,7 +188,7 @@ class CostModel:
                               fwd_transient=s.fwd_transient_bytes, bwd_peak=s.bwd_peak_bytes,
                               bwd_accum_peak=s.bwd_accum_peak_bytes)
             f, b = self._times(s)
-            self._cache[key] = LayerCost(mem, 0, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops)
+            self._cache[key] = LayerCost(mem, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops)
         return self._cache[key]
 
     def _layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
@@ -237,22 +236,33 @@ class CostModel:
 
         # FSDP2's buffers (see memory.walk_stage for when each is alive): the unsharded copy
         # compute runs on, the all-gather's flat output, the reduce-scatter's flat input.
-        gathered = 0
-        unsharded_now = 0
-        # (with dp 1 too: FSDP2 still copies the gradients into a reduce-scatter input)
-        reduce_flat = d * shard_numel * reduce_isz if mode in ("shard", "shard_keep") else 0
+        fsdp_mem: dict = {}
+        sharding = mode in ("shard", "shard_keep")
+        rs_bytes = d * shard_numel * reduce_isz if sharding else full_numel * reduce_isz
         if mode == "shard":
-            unsharded_now = unsharded
-            # Unsharded gradients never accumulate: each micro-batch reduce-scatters its own.
-            bwd_a = bwd_p
+            fsdp_mem.update(unsharded=unsharded, gathers_in_backward=True)
+            bwd_a = bwd_p                  # unsharded gradients never accumulate: each micro-batch reduces its own
         elif mode in ("shard_keep", "replicate"):
-            gathered = unsharded
+            fsdp_mem.update(kept_unsharded=unsharded)
+        if sharding:
+            fsdp_mem.update(gather_flat=gather_flat)
+        if mode != "plain" and cand.pp > 1:
+            # Pipelining turns gradient reduction and resharding after backward off for every
+            # micro-batch and reduces once at the step's end: unsharded gradients (compute dtype)
+            # accumulate, and a resharded-after-forward layer keeps its copy after backward.
+            fsdp_mem.update(step_grads=grads, final_reduce_flat=rs_bytes)
+            grads = full_numel * self.compute_isz
+            bwd_a = s.ckpt_bwd_accum_peak_bytes if checkpoint else s.bwd_accum_peak_bytes
+            if mode == "shard":
+                fsdp_mem.update(unsharded_after_backward=unsharded)
+        elif sharding:
+            # (with dp 1 too: FSDP2 still copies the gradients into a reduce-scatter input)
+            fsdp_mem.update(reduce_flat=rs_bytes)
 
         mem = LayerMemory(weights=weights, grads=grads, optim=optim, buffers=lp.buffer_bytes,
                           input=s.input_bytes, output=s.output_bytes, own=own, keeps_input=keeps_in,
                           keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a,
-                          unsharded=unsharded_now, gather_flat=gather_flat, reduce_flat=reduce_flat,
-                          gathers_in_backward=mode == "shard")
+                          **fsdp_mem)
 
         # Time per micro-batch.
         fwd_s, bwd_s = self._times(s)
@@ -283,7 +293,7 @@ class CostModel:
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
             step_s = shard_numel / self.hw.cpu_adam_params_per_s
         dp_sync = full_numel * reduce_isz if (mode == "replicate" and d > 1) else 0
-        return LayerCost(mem, gathered, compute, comm, offload_s, step_s, dp_sync, s.fwd_flops + s.bwd_flops)
+        return LayerCost(mem, compute, comm, offload_s, step_s, dp_sync, s.fwd_flops + s.bwd_flops)
 
     def _optimizer_s(self, numel: int) -> float:
         """Fused optimizer step: bytes read and written per parameter over device bandwidth."""
@@ -338,11 +348,10 @@ class CostModel:
     def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
         costs, loss = self.stage_costs(cand, stage, choices)
         static, per_mb, after_backward = self.stage_buffers(cand, stage, choices)
-        gathered = sum(c.gathered for c in costs)
         actions = schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches)
         return walk_stage([c.memory for c in costs], loss.memory if loss else None,
-                          static_buffers=static, compute_buffers=gathered, actions=actions,
-                          per_micro_batch_buffers=per_mb, after_backward_buffers=after_backward,
+                          static_buffers=static, actions=actions, per_micro_batch_buffers=per_mb,
+                          after_backward_buffers=after_backward, reshard_after_backward=cand.pp == 1,
                           input_is_held=True)
 
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:

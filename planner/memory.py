@@ -44,11 +44,16 @@ class LayerMemory:
     fwd_transient: int       # forward's peak above input + own + output
     bwd_peak: int            # backward's peak above what is live when it starts (gradients new)
     bwd_accum_peak: int      # the same when gradients already exist
-    # FSDP2 (fully_shard) units; 0 elsewhere:
+    # FSDP2 units (fully_shard / replicate); 0 elsewhere:
     unsharded: int = 0       # the unsharded copy, gathered for this layer's forward and backward only
+    kept_unsharded: int = 0  # the unsharded copy kept from the layer's forward to its backward
+    unsharded_after_backward: int = 0   # the unsharded copy left after its backward until its next forward
     gather_flat: int = 0     # the all-gather's flat output buffer
-    reduce_flat: int = 0     # the reduce-scatter's flat input buffer
+    reduce_flat: int = 0     # the reduce-scatter's flat input buffer (each micro-batch)
     gathers_in_backward: bool = False   # parameters are gathered again for backward (resharded after forward)
+    step_grads: int | None = None       # gradients at the optimizer step, when not `grads` (pipelining
+                                        # accumulates unsharded gradients and reduces them at the end)
+    final_reduce_flat: int = 0          # the reduce-scatter input of that final reduction
 
 
 @dataclass
@@ -113,7 +118,7 @@ def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
 
 def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_buffers: int,
                actions: list[tuple[str, int]], per_micro_batch_buffers: int = 0,
-               compute_buffers: int = 0, after_backward_buffers: int = 0,
+               after_backward_buffers: int = 0, reshard_after_backward: bool = True,
                input_is_held: bool = True) -> StageMemory:
     """Walk one step of a stage holding `layers` (and the loss, on the last stage).
 
@@ -122,10 +127,10 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
     per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers, from
         the end of its forward to its backward (the pipeline's cached stage output; counted
         even when the last layer keeps its output too: a small overcount for such layers).
-    compute_buffers: bytes alive through every forward and backward but freed before the
-        optimizer step (unsharded parameters FSDP2 keeps between forward and backward).
     after_backward_buffers: bytes alive during a forward that follows a backward (what the
         pipeline still holds from that backward).
+    reshard_after_backward: FSDP2 frees a layer's kept unsharded copy after its backward
+        (without pipelining); pipelining keeps every one until the step's end.
     input_is_held: the first layer's input is alive anyway (the batch, or the pipeline's
         cached input), so it is never counted as an activation.
     """
@@ -135,15 +140,27 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
     optim = sum(l.optim for l in layers)
     buffers = sum(l.buffers for l in layers) + static_buffers
     grads_all = sum(l.grads for l in layers)
+    step_grads = sum(l.grads if l.step_grads is None else l.step_grads for l in layers)
+    kept_unsharded_all = sum(l.kept_unsharded for l in layers)
     add = kept_bytes(seq, input_is_held)
     per_mb = sum(add) + per_micro_batch_buffers        # one finished forward, held until its backward
     first_input = 0 if input_is_held else seq[0].input
 
     timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
 
-    def record(phase, grads, acts, compute=True):
-        extra = compute_buffers if compute else 0
-        timeline.append((phase, weights + optim + buffers + extra + grads + acts, grads, acts))
+    def record(phase, grads, acts, other=0):
+        timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
+
+    def unsharded_through(i: int) -> int:
+        """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed
+        by their backward), or all of them under pipelining."""
+        if not reshard_after_backward:
+            return kept_unsharded_all
+        return sum(l.kept_unsharded for l in seq[: i + 1])
+
+    def left_after(i: int) -> int:
+        """Unsharded copies the backwards of the layers after i left behind."""
+        return sum(l.unsharded_after_backward for l in seq[i + 1:])
 
     held = 0                 # micro-batches between their F and their B
     grads_exist = False      # after the first backward, every gradient stays allocated
@@ -163,11 +180,12 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                 for i, l in enumerate(seq):
                     x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
                     prev_flat = seq[i - 1].gather_flat if i > 0 else 0
+                    fsdp = unsharded_through(i) + (left_after(i) if grads_exist else 0)
                     name = f"F mb {mb} {_name(i, layers)}"
                     if l.gather_flat or l.unsharded:
-                        record(name + " (gather)", g, others + kept + x_extra + prev_flat + l.gather_flat + l.unsharded)
-                    record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient
-                           + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
+                        record(name + " (gather)", g, others + kept + x_extra, fsdp + prev_flat + l.gather_flat + l.unsharded)
+                    record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient,
+                           fsdp + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
                     kept += add[i]
             else:
                 kept = per_mb
@@ -184,8 +202,8 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                     behind = seq[i + 1].reduce_flat if i + 1 < n else 0
                     if l is loss and i > 0:
                         behind = seq[i - 1].gather_flat
-                    record(f"B mb {mb} {_name(i, layers)}", g,
-                           others + kept + g_out + delta + l.unsharded + ahead + behind)
+                    fsdp = unsharded_through(i) + left_after(i) + l.unsharded + ahead + behind
+                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta, fsdp)
                     kept -= add[i]
                     if i < len(layers):
                         grads_done += l.grads
@@ -193,7 +211,12 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
             held += 1
         else:
             grads_exist = True
-    record("optimizer step", grads_all, 0, compute=False)
+    final = [l for l in layers if l.step_grads is not None]
+    if final:
+        # Pipelining reduces the accumulated unsharded gradients at the step's end, layer by layer.
+        still = kept_unsharded_all + sum(l.unsharded_after_backward for l in layers)
+        record("final gradient reduction", grads_all + step_grads, 0, still + max(l.final_reduce_flat for l in final))
+    record("optimizer step", step_grads, 0)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])
     return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,

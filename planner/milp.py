@@ -248,19 +248,33 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         optim = pulp.lpSum(mem[r, c].optim * L[r, s, c] for r, c in seg)
         grads_all = pulp.lpSum(mem[r, c].grads * L[r, s, c] for r, c in seg)
         bufs = pulp.lpSum(mem[r, c].buffers * L[r, s, c] for r, c in seg)
-        gathered = pulp.lpSum(cost[r, c].gathered * L[r, s, c] for r, c in seg)
+        kept_unsharded = pulp.lpSum(mem[r, c].kept_unsharded * L[r, s, c] for r, c in seg)
+        step_grads = pulp.lpSum((mem[r, c].grads if mem[r, c].step_grads is None else mem[r, c].step_grads) * L[r, s, c]
+                                for r, c in seg)
         static_batch, _ = _static_batch(model, cand, s)
         static = weights + optim + bufs + static_batch + recv_buffers
-        compute_static = static + gathered
+        # Unsharded copies FSDP2 keeps from forward to backward: all of them under pipelining,
+        # else those of the layers up to the current one (`through` below).
+        resharded = S == 1
+        compute_static = static + (0 if resharded else kept_unsharded)
 
         sc = scenarios(cand, s)
-        add_memory_row(prob, static + grads_all, limit, None, f"mem_s{s}_optimizer_step")
+        add_memory_row(prob, static + step_grads, limit, None, f"mem_s{s}_optimizer_step")
+        if any(mem[q].step_grads is not None for q in seg):
+            # Pipelining reduces the accumulated unsharded gradients at the step's end.
+            biggest = prob.add_variable(f"final_reduce_s{s}", 0, max(mem[q].final_reduce_flat for q in seg))
+            for (r, c) in seg:
+                prob += biggest >= mem[r, c].final_reduce_flat * e[r, s, c], f"final_reduce_{L[r, s, c].name[2:]}"
+            left = pulp.lpSum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
+            add_memory_row(prob, static + grads_all + step_grads + kept_unsharded + left + biggest, limit, None,
+                           f"mem_s{s}_final_reduce")
 
         # FSDP2 buffers of neighbouring layers (memory.walk_stage): chains over the stage's
         # segments give the all-gather buffer of the layer before a segment (forward, and
         # backward when it gathers again) and the reduce-scatter buffer of the layer after it.
         # Each is bounded below by the truth and only adds memory, so it takes the truth.
-        fsdp = any(mem[q].gather_flat or mem[q].reduce_flat or mem[q].unsharded for q in seg)
+        fsdp = any(mem[q].gather_flat or mem[q].reduce_flat or mem[q].unsharded or mem[q].kept_unsharded
+                   or mem[q].unsharded_after_backward for q in seg)
         before_flat, before_bflat, after_rs = {}, {}, {}
         if fsdp:
             fl_max = max(mem[q].gather_flat for q in seg)
@@ -292,9 +306,21 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 before_flat[q] = before_bflat[q] = after_rs[q] = 0
 
         prefix = 0                      # kept activations of the segments before this one
+        u_prefix = 0                    # kept unsharded copies of the segments before this one
         for idx, (r, c) in enumerate(seg):
             k, lm = (r, s, c), mem[r, c]
             total, a_in = totals[r, c]
+            ku = lm.kept_unsharded if resharded else 0
+            uab_after_seg = pulp.lpSum(mem[r2, c2].unsharded_after_backward * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
+            uab = lm.unsharded_after_backward
+
+            def through(count):
+                """Kept unsharded copies alive at a layer with `count` layers of the segment up to it."""
+                return u_prefix + ku * count
+
+            def left_after(count):
+                """Unsharded copies left by the backwards of the `count` segment layers after it, and later segments."""
+                return uab_after_seg + uab * count
             ki, ko = (1 if lm.keeps_input else 0), (1 if lm.keeps_output else 0)
             a_first = a_in + lm.input * ki * (ko - kp[k])
             g_after = pulp.lpSum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
@@ -307,14 +333,22 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 if held is None:
                     continue
                 base = compute_static + held * per_mb + prefix + grads
-                add_memory_row(prob, base + lm.input * (1 - kp[k]) + here, limit, e[k], f"mem_{name}_{tag}_first")
-                add_memory_row(prob, base + total - a_in + lm.input * (1 - ko) + here, limit, f[k], f"mem_{name}_{tag}_last")
+                after = (lambda count: left_after(count)) if tag == "f1" else (lambda count: 0)
+                first = base + lm.input * (1 - kp[k]) + through(1) + after(L[k] - 1)
+                last = base + total - a_in + lm.input * (1 - ko) + through(L[k]) + after(0)
+                add_memory_row(prob, first + here, limit, e[k], f"mem_{name}_{tag}_first")
+                add_memory_row(prob, last + here, limit, f[k], f"mem_{name}_{tag}_last")
                 if lm.gather_flat or lm.unsharded:
                     gather = lm.gather_flat + lm.unsharded
-                    add_memory_row(prob, base + lm.input * (1 - kp[k]) + before_flat[r, c] + gather, limit, e[k],
-                                   f"mem_{name}_{tag}_first_gather")
-                    add_memory_row(prob, base + total - a_in + lm.input * (1 - ko) + lm.gather_flat + gather, limit,
-                                   f[k], f"mem_{name}_{tag}_last_gather")
+                    add_memory_row(prob, first + before_flat[r, c] + gather, limit, e[k], f"mem_{name}_{tag}_first_gather")
+                    add_memory_row(prob, last + lm.gather_flat + gather, limit, f[k], f"mem_{name}_{tag}_last_gather")
+                    if fsdp:
+                        # Inside the segment the previous layer is of the same kind; j = 1 bounds it.
+                        second = base + a_first + lm.input * (1 - ko) + through(2) + after(L[k] - 2)
+                        h_f = prob.add_variable(f"hf_{name}_{tag}", cat="Binary")
+                        prob += L[k] >= 2 * h_f, f"hf_{name}_{tag}_lo"
+                        prob += L[k] <= 1 + runs[r][1] * h_f, f"hf_{name}_{tag}_hi"
+                        add_memory_row(prob, second + lm.gather_flat + gather, limit, h_f, f"mem_{name}_{tag}_second_gather")
             # -- backward records --------------------------------------------------------------
             # At position j of the segment: kept through j, gradients of the layers after j
             # (first backward) or all (later ones), the layer's peak, and the neighbours'
@@ -327,32 +361,34 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 delta = lm.bwd_peak if first_bwd else lm.bwd_accum_peak
                 base = compute_static + held * per_mb + pmb + prefix + gout + delta + lm.unsharded
                 grads = (lambda after: g_after + lm.grads * after) if first_bwd else (lambda after: grads_all)
-                rows = [
-                    ("first", a_first, grads(L[k] - 1), before_bflat[r, c], lm.reduce_flat, f[k]),
-                    ("last", total, grads(0), own_bflat, after_rs[r, c], f[k]),
-                    ("only", a_first, grads(0), before_bflat[r, c], after_rs[r, c], e[k] - f[k]),
+                rows = [   # (where, kept through it, gradients, layers up to it, layers after it, ahead, behind, gate)
+                    ("first", a_first, grads(L[k] - 1), 1, L[k] - 1, before_bflat[r, c], lm.reduce_flat, f[k]),
+                    ("last", total, grads(0), L[k], 0, own_bflat, after_rs[r, c], f[k]),
+                    ("only", a_first, grads(0), 1, 0, before_bflat[r, c], after_rs[r, c], e[k] - f[k]),
                 ]
                 if fsdp:
                     h = prob.add_variable(f"h_{name}_{tag}", cat="Binary")     # the segment has three or more layers
                     prob += L[k] >= 3 * h, f"h_{name}_{tag}_lo"
                     prob += L[k] <= 2 + runs[r][1] * h, f"h_{name}_{tag}_hi"
-                    rows += [("second", a_first + a_in, grads(L[k] - 2), own_bflat, lm.reduce_flat, h),
-                             ("penultimate", total - a_in, grads(1), own_bflat, lm.reduce_flat, h)]
-                for where, kept, g, ahead, behind, gate in rows:
-                    add_memory_row(prob, base + kept + g + ahead + behind, limit, gate, f"mem_{name}_{tag}_{where}")
+                    rows += [("second", a_first + a_in, grads(L[k] - 2), 2, L[k] - 2, own_bflat, lm.reduce_flat, h),
+                             ("penultimate", total - a_in, grads(1), L[k] - 1, 1, own_bflat, lm.reduce_flat, h)]
+                for where, kept, g, upto, later, ahead, behind, gate in rows:
+                    add_memory_row(prob, base + kept + g + through(upto) + left_after(later) + ahead + behind,
+                                   limit, gate, f"mem_{name}_{tag}_{where}")
             prefix = prefix + total
+            u_prefix = u_prefix + ku * L[k]
         if last_stage:
             lm = loss.memory
             x_extra = lm.input * (1 - loss_kp)
             for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
                 if held is None:
                     continue
-                add_memory_row(prob, compute_static + held * per_mb + prefix + grads + x_extra + lm.own
+                add_memory_row(prob, compute_static + u_prefix + held * per_mb + prefix + grads + x_extra + lm.own
                                + lm.output + lm.fwd_transient + last_flat, limit, None, f"mem_s{s}_loss_{tag}")
-            add_memory_row(prob, compute_static + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak + last_flat,
-                           limit, None, f"mem_s{s}_loss_b0")
+            add_memory_row(prob, compute_static + u_prefix + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak
+                           + last_flat, limit, None, f"mem_s{s}_loss_b0")
             if sc.b_later is not None:
-                add_memory_row(prob, compute_static + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
+                add_memory_row(prob, compute_static + u_prefix + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
                                + lm.bwd_accum_peak + last_flat, limit, None, f"mem_s{s}_loss_b1")
 
         # -- time -----------------------------------------------------------------------

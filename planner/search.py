@@ -249,7 +249,7 @@ def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
             lc = model.layer(cand, start, c.checkpoint, c.offload)
             m = lc.memory
             st = m.weights + m.optim + m.grads
-            alone = m.weights + m.optim + m.buffers + lc.gathered + min(
+            alone = m.weights + m.optim + m.buffers + m.kept_unsharded + min(
                 m.input + m.own + m.output + m.fwd_transient, m.output + m.bwd_peak)
             best_state = st if best_state is None else min(best_state, st)
             best_alone = alone if best_alone is None else min(best_alone, alone)
