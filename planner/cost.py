@@ -255,8 +255,9 @@ class CostModel:
             bwd_a = s.ckpt_bwd_accum_peak_bytes if checkpoint else s.bwd_accum_peak_bytes
             if mode == "shard":
                 fsdp_mem.update(unsharded_after_backward=unsharded)
-        elif sharding:
-            # (with dp 1 too: FSDP2 still copies the gradients into a reduce-scatter input)
+        elif mode != "plain":
+            # fully_shard reduce-scatters and replicate all-reduces through a flat copy of the
+            # gradients (with dp 1 too), which stays until the next layer's reduction.
             fsdp_mem.update(reduce_flat=rs_bytes)
 
         mem = LayerMemory(weights=weights, grads=grads, optim=optim, buffers=lp.buffer_bytes,
