@@ -17,7 +17,8 @@ moment the live bytes are:
                 previous layer's is alive at a pre-hook, and the last layer's through the
                 loss); in backward, the next layer (in backward order) is gathered ahead
                 during this one, and this one's reduce-scatter input stays until the next
-                layer's reduce-scatter
+                layer's reduce-scatter (with the copy of the gradients it made, until the
+                asynchronous collective completes: assumed to overlap the next copy-out)
 
 `walk_stage` walks these actions one layer at a time; it is the reference the MILP in
 `planner/milp.py` is tested against.
@@ -202,8 +203,13 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                     behind = seq[i + 1].reduce_flat if i + 1 < n else 0
                     if l is loss and i > 0:
                         behind = seq[i - 1].gather_flat
-                    fsdp = unsharded_through(i) + left_after(i) + l.unsharded + ahead + behind
-                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta, fsdp)
+                    fsdp = unsharded_through(i) + left_after(i) + l.unsharded
+                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta, fsdp + ahead + behind)
+                    if l.gathers_in_backward:
+                        # Copy-out of this layer's all-gather: the previous reduction's input may
+                        # not be freed yet, nor the copy it made of the gradients (asynchronous).
+                        record(f"B mb {mb} {_name(i, layers)} (gather)", g, others + kept + g_out,
+                               fsdp + l.gather_flat + 2 * behind)
                     kept -= add[i]
                     if i < len(layers):
                         grads_done += l.grads

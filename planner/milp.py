@@ -375,6 +375,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 for where, kept, g, upto, later, ahead, behind, gate in rows:
                     add_memory_row(prob, base + kept + g + through(upto) + left_after(later) + ahead + behind,
                                    limit, gate, f"mem_{name}_{tag}_{where}")
+                    if lm.gathers_in_backward:
+                        # the all-gather copy-out before compute (memory.walk_stage): no peak yet,
+                        # the layer's own flat buffer, and the previous reduction twice
+                        add_memory_row(prob, base - delta + kept + g + through(upto) + left_after(later)
+                                       + lm.gather_flat + 2 * behind, limit, gate, f"mem_{name}_{tag}_{where}_gather")
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
         if last_stage:
