@@ -240,7 +240,7 @@ class CostModel:
         sharding = mode in ("shard", "shard_keep")
         rs_bytes = d * shard_numel * reduce_isz if sharding else full_numel * reduce_isz
         if mode == "shard":
-            fsdp_mem.update(unsharded=unsharded, gathers_in_backward=True)
+            fsdp_mem.update(unsharded=unsharded, gathers_in_backward=True, async_reduce=d > 1)
             bwd_a = bwd_p                  # unsharded gradients never accumulate: each micro-batch reduces its own
         elif mode in ("shard_keep", "replicate"):
             fsdp_mem.update(kept_unsharded=unsharded)

@@ -52,6 +52,7 @@ class LayerMemory:
     gather_flat: int = 0     # the all-gather's flat output buffer
     reduce_flat: int = 0     # the reduce-scatter's flat input buffer (each micro-batch)
     gathers_in_backward: bool = False   # parameters are gathered again for backward (resharded after forward)
+    async_reduce: bool = False          # gradient reduction is a collective over more than one rank
     step_grads: int | None = None       # gradients at the optimizer step, when not `grads` (pipelining
                                         # accumulates unsharded gradients and reduces them at the end)
     final_reduce_flat: int = 0          # the reduce-scatter input of that final reduction
@@ -207,9 +208,10 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                     record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta, fsdp + ahead + behind)
                     if l.gathers_in_backward:
                         # Copy-out of this layer's all-gather: the previous reduction's input may
-                        # not be freed yet, nor the copy it made of the gradients (asynchronous).
+                        # not be freed yet, nor the copy it made of the gradients (asynchronous
+                        # when there is someone to reduce with).
                         record(f"B mb {mb} {_name(i, layers)} (gather)", g, others + kept + g_out,
-                               fsdp + l.gather_flat + 2 * behind)
+                               fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind)
                     kept -= add[i]
                     if i < len(layers):
                         grads_done += l.grads
@@ -220,8 +222,11 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
     final = [l for l in layers if l.step_grads is not None]
     if final:
         # Pipelining reduces the accumulated unsharded gradients at the step's end, layer by layer.
+        # Each layer frees its unsharded copy, reduces its unsharded gradients through a flat
+        # copy (and a temporary of the same size), then frees them for a sharded result: the
+        # first layer's reduction is the high point.
         still = kept_unsharded_all + sum(l.unsharded_after_backward for l in layers)
-        record("final gradient reduction", grads_all + step_grads, 0, still + max(l.final_reduce_flat for l in final))
+        record("final gradient reduction", grads_all, 0, still + max(l.final_reduce_flat for l in final))
     record("optimizer step", step_grads, 0)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])

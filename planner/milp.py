@@ -266,7 +266,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for (r, c) in seg:
                 prob += biggest >= mem[r, c].final_reduce_flat * e[r, s, c], f"final_reduce_{L[r, s, c].name[2:]}"
             left = pulp.lpSum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
-            add_memory_row(prob, static + grads_all + step_grads + kept_unsharded + left + biggest, limit, None,
+            add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest, limit, None,
                            f"mem_s{s}_final_reduce")
 
         # FSDP2 buffers of neighbouring layers (memory.walk_stage): chains over the stage's
@@ -379,7 +379,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                         # the all-gather copy-out before compute (memory.walk_stage): no peak yet,
                         # the layer's own flat buffer, and the previous reduction twice
                         add_memory_row(prob, base - delta + kept + g + through(upto) + left_after(later)
-                                       + lm.gather_flat + 2 * behind, limit, gate, f"mem_{name}_{tag}_{where}_gather")
+                                       + lm.gather_flat + (2 if lm.async_reduce else 1) * behind, limit, gate,
+                                       f"mem_{name}_{tag}_{where}_gather")
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
         if last_stage:
