@@ -1,0 +1,76 @@
+"""The README's main job on a small scale: profile -> solve -> run (torchrun, gloo) -> verify."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan_cli(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", "from cli import app; app()", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flow")
+    shutil.copy(ROOT / "examples" / "mlp.py", d / "mlp.py")
+    steps = {}
+    steps["profile"] = plan_cli("profile", "mlp.py", "--batch-sizes", "1,2", "--repeats", "1", cwd=d)
+    steps["solve"] = plan_cli("solve", "--gpus", "2", "--hardware", "cpu", "--global-batch", "8", cwd=d)
+    steps["run"] = plan_cli("run", "plan.json", "--steps", "3", cwd=d)
+    steps["verify"] = plan_cli("verify", "plan.json", "run.json", cwd=d)
+    return d, steps
+
+
+def test_every_step_succeeds_and_writes_its_document(flow):
+    d, steps = flow
+    for name, proc in steps.items():
+        assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-2000:])
+    for doc, kind in (("profile.json", "profile"), ("plan.json", "plan"), ("run.json", "run")):
+        assert json.loads((d / doc).read_text())["kind"] == kind
+
+
+def test_run_follows_the_plan(flow):
+    d, _ = flow
+    plan = json.loads((d / "plan.json").read_text())
+    run = json.loads((d / "run.json").read_text())
+    assert run["world_size"] == plan["world_size"] == 2
+    assert len(run["losses"]) == 3 and all(x > 0 for x in run["losses"])
+    assert {r["pp_rank"] for r in run["ranks"]} == set(range(plan["pp"]))
+
+
+def test_verify_reports_every_stage_within_tolerance(flow):
+    d, steps = flow
+    plan = json.loads((d / "plan.json").read_text())
+    out = " ".join(steps["verify"].stdout.split())
+    assert "predicted vs measured" in out
+    assert out.count("%") >= plan["pp"] + 1
+
+
+def test_verify_fails_past_tolerance(flow):
+    d, _ = flow
+    run = json.loads((d / "run.json").read_text())
+    for r in run["ranks"]:
+        r["peak_bytes"] *= 2                       # a run that used twice the predicted memory
+    (d / "bad_run.json").write_text(json.dumps(run))
+    proc = plan_cli("verify", "plan.json", "bad_run.json", "--tolerance", "3", cwd=d)
+    assert proc.returncode == 1
+    assert "exceeds --tolerance" in " ".join(proc.stderr.split())
+
+
+def test_verify_refuses_a_run_of_another_plan(flow):
+    d, _ = flow
+    other = json.loads((d / "plan.json").read_text())
+    other["seed"] = 7
+    (d / "other_plan.json").write_text(json.dumps(other))
+    proc = plan_cli("verify", "other_plan.json", "run.json", cwd=d)
+    assert proc.returncode == 2
+    assert "different plan" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
