@@ -9,11 +9,10 @@ can hold the run to it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiles.schema import write_json_atomic
+from profiles.schema import read_json_document, write_json_atomic
 
 PLAN_SCHEMA_VERSION = 1
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -137,11 +136,5 @@ class Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"plan {path} does not exist; create it with `plan solve`.")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"plan {path} is not valid JSON ({e}); solve again with `plan solve`.") from None
+    d = read_json_document(path, "plan", "create it with `plan solve`", "solve again with `plan solve`", PlanError)
     return Plan.from_json(d, source=f"plan {path}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from profiles.schema import read_json_document
 
 from .plan import Plan
 
@@ -26,14 +27,8 @@ class StageRow:
 
 
 def load_run(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise VerifyError(f"run {path} does not exist; create it with `plan run PLAN`.")
-    try:
-        doc = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise VerifyError(f"run {path} is not valid JSON ({e}); run the plan again.") from None
-    if not isinstance(doc, dict) or doc.get("kind") != "run":
+    doc = read_json_document(path, "run", "create it with `plan run PLAN`", "run the plan again", VerifyError)
+    if doc.get("kind") != "run":
         raise VerifyError(f"{path} is not a run document; pass the run.json the runtime wrote.")
     if doc.get("schema") != RUN_SCHEMA_VERSION:
         raise VerifyError(f"run {path} has schema {doc.get('schema')!r}, this plan reads {RUN_SCHEMA_VERSION}; run the plan again.")

@@ -282,16 +282,24 @@ def _layer_from_json(d: dict) -> LayerProfile:
     return _sampled_from_json(layer, d)
 
 
-def load_profile(path: str | Path) -> Profile:
+def read_json_document(path: str | Path, what: str, create: str, redo: str, error: type[Exception]) -> dict:
+    """The JSON object in `path`, or `error` with one sentence: "<what> <path> does not exist;
+    <create>." or "... is not valid JSON ...; <redo>."."""
     p = Path(path)
     if not p.is_file():
-        raise ProfileError(f"profile {path} does not exist; create it with `plan profile MODEL.py -o {path}`.")
+        raise error(f"{what} {path} does not exist; {create}.")
     try:
         d = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProfileError(f"profile {path} is not valid JSON ({e}); profile the model again with `plan profile`.") from None
+        raise error(f"{what} {path} is not valid JSON ({e}); {redo}.") from None
     if not isinstance(d, dict):
-        raise ProfileError(f"profile {path} is not a JSON object; profile the model again with `plan profile`.")
+        raise error(f"{what} {path} is not a JSON object; {redo}.")
+    return d
+
+
+def load_profile(path: str | Path) -> Profile:
+    d = read_json_document(path, "profile", f"create it with `plan profile MODEL.py -o {path}`",
+                           "profile the model again with `plan profile`", ProfileError)
     return Profile.from_json(d, source=f"profile {path}")
 
 
