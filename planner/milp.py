@@ -25,6 +25,9 @@ Time: every stage's time per micro-batch is at most `tau`; the step takes
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from itertools import product
@@ -122,7 +125,7 @@ def add_memory_row(prob: pulp.LpProblem, live, limit: int | None, gate, name: st
     prob += live * (1 / limit) <= 1 + slack / limit * (1 - gate), name
 
 
-def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "cbc",
+def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
                  memory: bool = True) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
@@ -305,6 +308,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for q in seg:
                 before_flat[q] = before_bflat[q] = after_rs[q] = 0
 
+        three: dict = {}                # h: the segment has three or more layers (made when needed)
         prefix = 0                      # kept activations of the segments before this one
         u_prefix = 0                    # kept unsharded copies of the segments before this one
         for idx, (r, c) in enumerate(seg):
@@ -345,10 +349,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     if fsdp:
                         # Inside the segment the previous layer is of the same kind; j = 1 bounds it.
                         second = base + a_first + lm.input * (1 - ko) + through(2) + after(L[k] - 2)
-                        h_f = prob.add_variable(f"hf_{name}_{tag}", cat="Binary")
-                        prob += L[k] >= 2 * h_f, f"hf_{name}_{tag}_lo"
-                        prob += L[k] <= 1 + runs[r][1] * h_f, f"hf_{name}_{tag}_hi"
-                        add_memory_row(prob, second + lm.gather_flat + gather, limit, h_f, f"mem_{name}_{tag}_second_gather")
+                        add_memory_row(prob, second + lm.gather_flat + gather, limit, f[k], f"mem_{name}_{tag}_second_gather")
             # -- backward records --------------------------------------------------------------
             # At position j of the segment: kept through j, gradients of the layers after j
             # (first backward) or all (later ones), the layer's peak, and the neighbours'
@@ -367,9 +368,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     ("only", a_first, grads(0), 1, 0, before_bflat[r, c], after_rs[r, c], e[k] - f[k]),
                 ]
                 if fsdp:
-                    h = prob.add_variable(f"h_{name}_{tag}", cat="Binary")     # the segment has three or more layers
-                    prob += L[k] >= 3 * h, f"h_{name}_{tag}_lo"
-                    prob += L[k] <= 2 + runs[r][1] * h, f"h_{name}_{tag}_hi"
+                    if k not in three:
+                        three[k] = prob.add_variable(f"h_{name}", cat="Binary")   # the segment has three or more layers
+                        prob += L[k] >= 3 * three[k], f"h_{name}_lo"
+                        prob += L[k] <= 2 + runs[r][1] * three[k], f"h_{name}_hi"
+                    h = three[k]
                     rows += [("second", a_first + a_in, grads(L[k] - 2), 2, L[k] - 2, own_bflat, lm.reduce_flat, h),
                              ("penultimate", total - a_in, grads(1), L[k] - 1, 1, own_bflat, lm.reduce_flat, h)]
                 for where, kept, g, upto, later, ahead, behind, gate in rows:
@@ -465,17 +468,29 @@ def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
 
 
 def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
-    """Run the solver with explicit options; return "optimal", "infeasible" or the status."""
+    """Run the solver with explicit options; return "optimal", "infeasible" or the status.
+
+    HiGHS (in-process) is the default: on these models CBC's presolve has returned layouts
+    slower than the optimum while reporting optimality (docs/cost-model.md), so CBC runs
+    with presolve off, which is exact but often much slower.
+    """
     if solver == "highs":
-        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0)
+        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0, random_seed=1)
+        with _no_banner():          # highspy prints a banner on stdout even with msg off
+            prob.solve(cmd)
+        return _status(prob)
     else:
         # The CBC bundled with PuLP 3, single-threaded with fixed seeds: the same problem gives
         # the same answer.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # PuLP 4 moves CBC to an extra
             cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0,
-                                    options=["randomSeed 1", "randomCbcSeed 1"])
+                                    options=["randomSeed 1", "randomCbcSeed 1", "presolve off"])
     prob.solve(cmd)
+    return _status(prob)
+
+
+def _status(prob: pulp.LpProblem) -> str:
     if prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
     if prob.status == pulp.LpStatusInfeasible:
@@ -483,6 +498,21 @@ def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
         return "time limit"          # a layout, but not proven the best
     return pulp.LpStatus[prob.status].lower()
+
+
+@contextlib.contextmanager
+def _no_banner():
+    """Silence file descriptor 1 (C-level stdout) for the duration."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(devnull)
+        os.close(saved)
 
 
 def choices_for(checkpoint: str, offload: str, allow_offload: bool) -> list[Choice]:

@@ -32,7 +32,7 @@ class SolveOptions:
     global_batch: int | None = None          # default: 8 samples per GPU
     memory_limit: int | None = None          # bytes per GPU; default: the hardware's usable memory
     top_k: int = 5
-    solver: str = "cbc"
+    solver: str = "highs"
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None

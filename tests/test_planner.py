@@ -72,8 +72,8 @@ def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
     return best
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_milp_equals_brute_force(seed):
+@pytest.mark.parametrize("seed, solver", [(k, "highs") for k in range(24)] + [(k, "cbc") for k in range(4)])
+def test_milp_equals_brute_force(seed, solver):
     rng = random.Random(seed)
     n = rng.randint(3, 8)
     gpus = rng.choice([1, 2, 4, 8])
@@ -90,7 +90,7 @@ def test_milp_equals_brute_force(seed):
         limit = int(everything.peak_bytes * rng.uniform(0.6, 1.0))
         model = CostModel(prof, cpu_like(limit), 8, limit)
         choices = choices_for("auto", opts.offload, cand.allow_offload)
-        layout = solve_layout(model, cand, choices)
+        layout = solve_layout(model, cand, choices, solver)
         expected = brute_force(model, cand, choices)
         if expected is None:
             assert layout.stages is None, f"MILP found a layout for {cand} where none fits"
