@@ -55,7 +55,7 @@ def mib(n: float) -> str:
 
 @app.command()
 def profile(
-    model: str = typer.Argument(..., help="Model file (build_model, make_batch; see DESIGN.md)."),
+    model: str = typer.Argument(..., help="Model file (build_model, make_batch; see DESIGN.md), or a Hugging Face causal-LM config: a config.json, a folder holding one, or a built-in name (llama-3-8b, llama-3-70b, mistral-7b, qwen2-7b, gpt2)."),
     output: Path = typer.Option(Path("profile.json"), "-o", "--output", help="Where to write the profile."),
     batch_sizes: str = typer.Option("1,2,4", help="Micro-batch sizes to measure, comma-separated."),
     optimizer: str = typer.Option("adamw", help="sgd | momentum | adam | adamw."),
@@ -65,6 +65,7 @@ def profile(
     hardware: Optional[str] = typer.Option(None, help="Hardware preset for --fake times (see `plan hardware`)."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample of a Hugging Face model (default: the smaller of 4096 and its max_position_embeddings)."),
 ):
     """Measure every layer: memory by category, time and FLOPs at each micro-batch size."""
     try:
@@ -96,7 +97,13 @@ def profile(
         elif hardware:
             get_hardware(hardware)
 
-        spec = load_model_file(model)
+        from profiles.hf import is_hf_source, load_hf_spec
+        if is_hf_source(model):
+            spec = load_hf_spec(model, seq_len)
+        elif seq_len is not None:
+            fail(f"--seq-len applies to Hugging Face configs only; {model} is a model file, whose make_batch sets the sequence length.")
+        else:
+            spec = load_model_file(model)
         opts = ProfileOptions(batch_sizes=sizes, optimizer=optimizer, precision=precision, device=device,
                               fake=fake, hardware=hardware, repeats=repeats)
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

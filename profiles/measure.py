@@ -455,11 +455,13 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
     else:
         device_name = opts.device
     return Profile(
-        model={"path": spec.path, "sha256": spec.sha256, "source": spec.source, "name": spec.name},
+        model={"path": spec.path, "sha256": spec.sha256, "source": spec.source, "name": spec.name,
+               **({"seq_len": spec.seq_len} if spec.seq_len is not None else {})},
         torch_version=torch.__version__.split("+")[0], device=device_name, device_type=opts.device,
         method="fake" if opts.fake else "measured", hardware=opts.hardware, precision=opts.precision,
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
+        seq_len=spec.seq_len,
     )
 
 

@@ -45,6 +45,7 @@ class ModelSpec:
     # Filled by adapters (Hugging Face): what the model is, for the profile header.
     source: str = "file"
     name: str = ""
+    seq_len: int | None = None         # tokens per sample, where the source fixes it (Hugging Face configs)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -189,8 +190,15 @@ def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]
 def load_spec(model: dict) -> ModelSpec:
     """Load the model a profile or plan names ({"path", "sha256", "source", ...}).
 
-    Checks that the file has not changed since it was profiled.
+    Checks that the file (or, for source "hf-config", the config and sequence length) has not
+    changed since it was profiled.
     """
+    if model.get("source") == "hf-config":
+        from .hf import load_hf_spec
+        spec = load_hf_spec(model["path"], model.get("seq_len"))
+        if model.get("sha256") and spec.sha256 != model["sha256"]:
+            raise ModelFileError(f"Hugging Face config {model['path']} has changed since it was profiled; profile it again with `plan profile {model['path']}` and solve again.")
+        return spec
     spec = load_model_file(model["path"])
     if model.get("sha256") and spec.sha256 != model["sha256"]:
         raise ModelFileError(f"model file {model['path']} has changed since it was profiled; profile it again with `plan profile {model['path']}` and solve again.")
