@@ -220,7 +220,7 @@ def solve(
     global_batch: Optional[int] = typer.Option(None, help="Samples per step (default: 8 per GPU)."),
     memory_limit: Optional[str] = typer.Option(None, help="Memory per GPU plans may use, e.g. 70GiB (default: the hardware's usable memory)."),
     top: int = typer.Option(5, help="How many of the best layouts to show and keep."),
-    solver: str = typer.Option("cbc", help="cbc (bundled) | highs."),
+    solver: str = typer.Option("highs", help="highs (in-process, the default) | cbc (bundled with PuLP; slower)."),
     time_limit: float = typer.Option(20.0, help="Seconds per layout MILP; a layout found at the limit is marked unproven."),
     dp: Optional[int] = typer.Option(None, help="Pin the data-parallel degree."),
     tp: Optional[int] = typer.Option(None, help="Pin the tensor-parallel degree."),
