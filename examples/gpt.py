@@ -98,6 +98,9 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# Tensor parallelism splits attention by heads, so its degree must divide the head count.
+tp_divides = [N_HEAD]
+
 # Megatron-style tensor parallelism inside each block: q, k, v and fc split by output
 # features (heads), proj split by input features; one all-reduce after each proj.
 tp_plan = {

@@ -476,5 +476,7 @@ def _same_gpu(device_name: str, preset: str) -> bool:
 
 
 def tp_divides(profile: Profile, tp: int) -> bool:
-    """Every dimension the tp_plan shards splits evenly over tp ranks."""
-    return all(p.shape[p.tp_dim] % tp == 0 for l in profile.layers for p in l.params if p.tp_dim is not None)
+    """Every dimension the tp_plan shards, and every number the model says a degree must
+    divide (its head counts), splits evenly over tp ranks."""
+    return (all(p.shape[p.tp_dim] % tp == 0 for l in profile.layers for p in l.params if p.tp_dim is not None)
+            and all(n % tp == 0 for n in profile.tp_divides))

@@ -95,7 +95,7 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
     if opts.pp and opts.pp > profile.n_layers:
         raise SolveError(f"--pp {opts.pp} is more pipeline stages than the model's {profile.n_layers} layers; use --pp {profile.n_layers} or fewer.")
     if opts.tp and not tp_divides(profile, opts.tp):
-        raise SolveError(f"--tp {opts.tp} does not divide the dimensions the model's tp_plan splits; use a tp that divides them.")
+        raise SolveError(f"--tp {opts.tp} does not divide the dimensions the model's tp_plan splits or its tp_divides (head counts {profile.tp_divides or 'none given'}); use a tp that divides them.")
     if opts.tp and opts.tp > opts.node_size:
         raise SolveError(f"--tp {opts.tp} spans more than one node of {opts.node_size} GPUs; tensor parallelism stays inside a node, use --tp {opts.node_size} or less.")
     g = opts.batch

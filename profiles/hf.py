@@ -467,5 +467,8 @@ def load_hf_spec(arg: str, seq_len: int | None = None) -> ModelSpec:
         data = torch.randint(0, vocab, (batch_size, seq_len + 1))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
+    # Tensor parallelism splits attention by heads: its degree must divide both head counts.
+    heads = [getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)]
     return ModelSpec(path=str(arg), sha256=config_sha256(d, seq_len), build_model=build_model, make_batch=make_batch,
-                     loss_fn=default_loss_fn, tp_plan=tp_plan, source=SOURCE, name=name, seq_len=seq_len)
+                     loss_fn=default_loss_fn, tp_plan=tp_plan, source=SOURCE, name=name, seq_len=seq_len,
+                     tp_divides=sorted({h for h in heads if isinstance(h, int) and h > 0}))

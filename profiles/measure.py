@@ -461,7 +461,7 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
         method="fake" if opts.fake else "measured", hardware=opts.hardware, precision=opts.precision,
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
-        seq_len=spec.seq_len,
+        seq_len=spec.seq_len, tp_divides=list(spec.tp_divides),
     )
 
 

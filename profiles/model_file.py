@@ -42,6 +42,7 @@ class ModelSpec:
     make_batch: Callable[[int], tuple]
     loss_fn: Callable = default_loss_fn
     tp_plan: dict[str, str] = field(default_factory=dict)
+    tp_divides: list[int] = field(default_factory=list)   # a tensor-parallel degree must divide each (e.g. head counts)
     # Filled by adapters (Hugging Face): what the model is, for the profile header.
     source: str = "file"
     name: str = ""
@@ -82,8 +83,11 @@ def load_model_file(path: str | Path) -> ModelSpec:
         raise ModelFileError(f"loss_fn in model file {path} is not a function; define loss_fn(output, targets) or remove it to use cross-entropy.")
     tp_plan = getattr(module, "tp_plan", None) or {}
     check_tp_plan_types(tp_plan, path)
+    tp_divides = getattr(module, "tp_divides", None) or []
+    if not (isinstance(tp_divides, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in tp_divides)):
+        raise ModelFileError(f"tp_divides in model file {path} must be a list of positive integers that a tensor-parallel degree must divide, e.g. [N_HEAD].")
     return ModelSpec(path=str(path), sha256=file_sha256(p), build_model=build, make_batch=make,
-                     loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem)
+                     loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem, tp_divides=list(tp_divides))
 
 
 def check_tp_plan_types(tp_plan, path) -> None:

@@ -188,6 +188,7 @@ class Profile:
     loss: Sampled               # the loss function, as if it were one more layer without parameters
     batch: dict                 # per-sample bytes of inputs and targets: {"input_bytes": Fit-like, ...}
     seq_len: int | None = None
+    tp_divides: list[int] = field(default_factory=list)   # numbers a tensor-parallel degree must divide (head counts)
     schema: int = SCHEMA_VERSION
     kind: str = "profile"
 
@@ -222,7 +223,8 @@ class Profile:
                        device_type=str(d["device_type"]), method=str(d["method"]), hardware=d.get("hardware"),
                        precision=str(d["precision"]), optimizer=str(d["optimizer"]),
                        batch_sizes=[int(b) for b in d["batch_sizes"]], layers=layers, loss=loss,
-                       batch=dict(d["batch"]), seq_len=d.get("seq_len"))
+                       batch=dict(d["batch"]), seq_len=d.get("seq_len"),
+                       tp_divides=[int(n) for n in d.get("tp_divides", [])])
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -194,3 +194,18 @@ def test_search_prunes_only_by_proven_bounds():
             every.append(model.evaluate(cand, layout.stages).step_s)
     assert result.pruned > 0
     assert result.solutions[0].prediction.step_s == pytest.approx(min(every), rel=1e-9)
+
+
+def test_tensor_parallel_degree_divides_the_head_counts():
+    """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
+    from planner.search import SolveError, check_options
+    rng = random.Random(5)
+    prof = random_profile(rng, 4, repeat_runs=False)
+    for layer in prof.layers:
+        layer.params[0].shape = [128, 64]
+        layer.params[0].tp_dim = 0
+    prof.tp_divides = [4, 2]          # e.g. 4 query heads, 2 key/value heads
+    opts = SolveOptions(gpus=8, hardware=cpu_like(1 << 40), global_batch=16)
+    assert {c.tp for c in enumerate_candidates(prof, opts)} == {1, 2}
+    with pytest.raises(SolveError, match="head counts"):
+        check_options(prof, SolveOptions(gpus=8, hardware=cpu_like(1 << 40), global_batch=16, tp=4))
