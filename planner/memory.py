@@ -27,6 +27,7 @@ moment the live bytes are:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 
 @dataclass
@@ -153,16 +154,17 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
     def record(phase, grads, acts, other=0):
         timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
 
+    kept_upto = list(accumulate(l.kept_unsharded for l in seq))                  # layers 0..i
+    left_from = list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]  # layers i..n-1
+
     def unsharded_through(i: int) -> int:
         """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed
         by their backward), or all of them under pipelining."""
-        if not reshard_after_backward:
-            return kept_unsharded_all
-        return sum(l.kept_unsharded for l in seq[: i + 1])
+        return kept_upto[i] if reshard_after_backward else kept_unsharded_all
 
     def left_after(i: int) -> int:
         """Unsharded copies the backwards of the layers after i left behind."""
-        return sum(l.unsharded_after_backward for l in seq[i + 1:])
+        return left_from[i + 1]
 
     held = 0                 # micro-batches between their F and their B
     grads_exist = False      # after the first backward, every gradient stays allocated

@@ -103,7 +103,8 @@ class Layout:
 
 def upper_bound(expr) -> float:
     """The largest value an affine expression can take within its variables' bounds."""
-    expr = pulp.LpAffineExpression(expr)
+    if not isinstance(expr, pulp.LpAffineExpression):
+        expr = pulp.LpAffineExpression(expr)
     ub = expr.constant
     for var, coef in expr.items():
         ub += coef * (var.upBound if coef > 0 else var.lowBound)
@@ -203,9 +204,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     run_input = [model.sample(start, cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
 
-    for s in range(S):
+    def add_stage_memory_rows(s: int, seg: list, stage_in, stage_out) -> None:
+        """The memory rows of stage s: every record of memory.walk_stage that can be its peak."""
+        nonlocal prob                   # `prob += row` rebinds the name
         last_stage = s == S - 1
-        seg = [(r, c) for r in range(R) for c in choices]      # the stage's segments, in order
         mem = {k: cost[k].memory for k in seg}
 
         # "Keeps output" chain: E after each segment, kp before it.
@@ -222,9 +224,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # The tensors a pipeline stage receives and sends (CostModel.stage_buffers): receive
         # buffers for every micro-batch (static), the stage output per in-flight micro-batch,
         # and what a forward that follows a backward still sees of it.
-        stage_in = pulp.lpSum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
-        stage_out = (pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
-                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
         pmb = stage_out if S > 1 else 0
         recv_buffers = m * ((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0
         after_backward = ((stage_in if s > 0 else 0) + (stage_out if last_stage else 0)) if S > 1 else 0
@@ -399,6 +398,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             if sc.b_later is not None:
                 add_memory_row(prob, compute_static + u_prefix + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
                                + lm.bwd_accum_peak + last_flat, limit, None, f"mem_s{s}_loss_b1")
+
+    for s in range(S):
+        last_stage = s == S - 1
+        seg = [(r, c) for r in range(R) for c in choices]      # the stage's segments, in order
+        stage_in = pulp.lpSum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
+        stage_out = (pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
+                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
+        if limit is not None:             # without a limit the rows are not needed (nor built)
+            add_stage_memory_rows(s, seg, stage_in, stage_out)
 
         # -- time -----------------------------------------------------------------------
         per_mb_time = pulp.lpSum((cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s) * L[r, s, c]

@@ -328,32 +328,33 @@ def simplify(model: CostModel, cand: Candidate, stages):
     The MILP only minimises step time, so a stage that is not the slowest may carry
     checkpointing it does not need. Undo one layer's checkpoint or offload at a time (the
     last one of its kind in a stage, keeping the canonical order) while the layout still
-    fits and is no slower.
+    fits and is no slower; once the last of a kind must stay, the identical ones before it stay.
     """
+    stages = [list(st) for st in stages]
     best = model.evaluate(cand, stages)
+    signature = [layer.signature for layer in model.profile.layers]
     changed = True
-    while changed:
+    while changed:                                    # until a whole pass changes nothing
         changed = False
         for s, st in enumerate(stages):
             for flag in (1, 2):                       # 1: checkpoint, 2: offload
+                refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
-                    if not st[j][flag]:
+                    kind = (signature[st[j][0]], st[j][1:])
+                    if not st[j][flag] or kind in refused:
                         continue
-                    trial = [list(x) for x in stages]
                     layer = list(st[j])
                     layer[flag] = False
+                    trial = [list(x) for x in stages]
                     trial[s][j] = tuple(layer)
-                    trial = [[tuple(x) for x in t] for t in trial]
                     if cand.fsdp and cand.dp == 1 and model.precision != "mixed" and not any(o for t in trial for _, _, o in t):
                         continue                      # this candidate exists only to offload
                     pred = model.evaluate(cand, trial)
                     if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):
                         stages, best, changed = trial, pred, True
-                        break
-                if changed:
-                    break
-            if changed:
-                break
+                        st = stages[s]                # go on with the layers before it
+                    else:
+                        refused.add(kind)
     return stages
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from .model_file import ModelFileError, ModelSpec, default_loss_fn
+from .schema import read_json_document
 
 SOURCE = "hf-config"
 DEFAULT_MAX_SEQ_LEN = 4096   # default sequence length: min(this, the config's max_position_embeddings)
@@ -221,14 +222,8 @@ def read_config(arg: str) -> tuple[str, dict]:
         p = p / "config.json"
     elif p.suffix != ".json":
         raise HFConfigError(f"{arg!r} is not a built-in model ({', '.join(BUILTIN_CONFIGS)}), a config.json, or a model file; pass one of those.")
-    elif not p.is_file():
-        raise HFConfigError(f"config {arg} does not exist; pass the path of a Hugging Face config.json or a built-in name ({', '.join(BUILTIN_CONFIGS)}).")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFConfigError(f"config {p} is not valid JSON ({e}); pass a Hugging Face config.json.") from None
-    if not isinstance(d, dict):
-        raise HFConfigError(f"config {p} is not a JSON object; pass a Hugging Face config.json.")
+    d = read_json_document(p, "config", f"pass the path of a Hugging Face config.json or a built-in name ({', '.join(BUILTIN_CONFIGS)})",
+                           "pass a Hugging Face config.json", HFConfigError)
     return str(arg), d
 
 
