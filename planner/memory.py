@@ -211,9 +211,12 @@ def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_bu
                     if l.gathers_in_backward:
                         # Copy-out of this layer's all-gather: the previous reduction's input may
                         # not be freed yet, nor the copy it made of the gradients (asynchronous
-                        # when there is someone to reduce with).
+                        # when there is someone to reduce with). Under pipelining the prefetch of
+                        # the layer before is issued while this layer's all-gather output can
+                        # still be held by the collective (measured with gloo).
                         record(f"B mb {mb} {_name(i, layers)} (gather)", g, others + kept + g_out,
-                               fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind)
+                               fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind
+                               + (0 if reshard_after_backward else ahead))
                     kept -= add[i]
                     if i < len(layers):
                         grads_done += l.grads

@@ -379,10 +379,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                                    limit, gate, f"mem_{name}_{tag}_{where}")
                     if lm.gathers_in_backward:
                         # the all-gather copy-out before compute (memory.walk_stage): no peak yet,
-                        # the layer's own flat buffer, and the previous reduction twice
+                        # the layer's own flat buffer, the previous reduction twice, and under
+                        # pipelining the prefetched flat buffer of the layer before
                         add_memory_row(prob, base - delta + kept + g + through(upto) + left_after(later)
-                                       + lm.gather_flat + (2 if lm.async_reduce else 1) * behind, limit, gate,
-                                       f"mem_{name}_{tag}_{where}_gather")
+                                       + lm.gather_flat + (2 if lm.async_reduce else 1) * behind
+                                       + (0 if resharded else ahead), limit, gate, f"mem_{name}_{tag}_{where}_gather")
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
         if last_stage:
