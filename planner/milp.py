@@ -126,6 +126,21 @@ def add_memory_row(prob: pulp.LpProblem, live, limit: int | None, gate, name: st
     prob += live * (1 / limit) <= 1 + slack / limit * (1 - gate), name
 
 
+def add_bytes_variable(prob: pulp.LpProblem, name: str, most: int, limit: int) -> pulp.LpAffineExpression:
+    """A byte count the solver chooses (0..most), as an expression in bytes.
+
+    The variable itself is a fraction of the memory limit: memory rows are scaled by 1/limit,
+    and HiGHS drops matrix entries below 1e-9 (its small_matrix_value), so a variable counted
+    in bytes would silently vanish from the rows of a GPU-sized limit (1/80e9 ~ 1e-11).
+    """
+    return prob.add_variable(name, 0, most / limit) * limit
+
+
+def add_bytes_bound(prob: pulp.LpProblem, lhs, rhs, limit: int, name: str) -> None:
+    """lhs >= rhs for byte expressions, scaled by the limit like the memory rows."""
+    prob += (lhs - rhs) * (1 / limit) >= 0, name
+
+
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
                  memory: bool = True) -> Layout:
@@ -264,9 +279,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         add_memory_row(prob, static + step_grads, limit, None, f"mem_s{s}_optimizer_step")
         if any(mem[q].step_grads is not None for q in seg):
             # Pipelining reduces the accumulated unsharded gradients at the step's end.
-            biggest = prob.add_variable(f"final_reduce_s{s}", 0, max(mem[q].final_reduce_flat for q in seg))
+            biggest = add_bytes_variable(prob, f"final_reduce_s{s}", max(mem[q].final_reduce_flat for q in seg), limit)
             for (r, c) in seg:
-                prob += biggest >= mem[r, c].final_reduce_flat * e[r, s, c], f"final_reduce_{L[r, s, c].name[2:]}"
+                add_bytes_bound(prob, biggest, mem[r, c].final_reduce_flat * e[r, s, c], limit, f"final_reduce_{L[r, s, c].name[2:]}")
             left = pulp.lpSum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
             add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest, limit, None,
                            f"mem_s{s}_final_reduce")
@@ -285,22 +300,22 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for (r, c) in seg:
                 k, lm = (r, s, c), mem[r, c]
                 before_flat[r, c], before_bflat[r, c] = prev_a, prev_b
-                a = prob.add_variable(f"flat_after_{L[k].name[2:]}", 0, fl_max)
-                b = prob.add_variable(f"bflat_after_{L[k].name[2:]}", 0, fl_max)
-                prob += a >= lm.gather_flat * e[k], f"flat_after_{L[k].name[2:]}_own"
-                prob += a >= prev_a - fl_max * e[k], f"flat_after_{L[k].name[2:]}_pass"
+                a = add_bytes_variable(prob, f"flat_after_{L[k].name[2:]}", fl_max, limit)
+                b = add_bytes_variable(prob, f"bflat_after_{L[k].name[2:]}", fl_max, limit)
+                add_bytes_bound(prob, a, lm.gather_flat * e[k], limit, f"flat_after_{L[k].name[2:]}_own")
+                add_bytes_bound(prob, a, prev_a - fl_max * e[k], limit, f"flat_after_{L[k].name[2:]}_pass")
                 bf = lm.gather_flat if lm.gathers_in_backward else 0
-                prob += b >= bf * e[k], f"bflat_after_{L[k].name[2:]}_own"
-                prob += b >= prev_b - fl_max * e[k], f"bflat_after_{L[k].name[2:]}_pass"
+                add_bytes_bound(prob, b, bf * e[k], limit, f"bflat_after_{L[k].name[2:]}_own")
+                add_bytes_bound(prob, b, prev_b - fl_max * e[k], limit, f"bflat_after_{L[k].name[2:]}_pass")
                 prev_a, prev_b = a, b
             last_flat = prev_a
             nxt = 0
             for (r, c) in reversed(seg):
                 k, lm = (r, s, c), mem[r, c]
                 after_rs[r, c] = nxt
-                z = prob.add_variable(f"rs_from_{L[k].name[2:]}", 0, rs_max)
-                prob += z >= lm.reduce_flat * e[k], f"rs_from_{L[k].name[2:]}_own"
-                prob += z >= nxt - rs_max * e[k], f"rs_from_{L[k].name[2:]}_pass"
+                z = add_bytes_variable(prob, f"rs_from_{L[k].name[2:]}", rs_max, limit)
+                add_bytes_bound(prob, z, lm.reduce_flat * e[k], limit, f"rs_from_{L[k].name[2:]}_own")
+                add_bytes_bound(prob, z, nxt - rs_max * e[k], limit, f"rs_from_{L[k].name[2:]}_pass")
                 nxt = z
         else:
             last_flat = 0

@@ -24,20 +24,24 @@ def _sample(rng: random.Random, b: int, base: dict, in_bytes: int, out_bytes: in
     )
 
 
-def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, optimizer: str = "adamw") -> Profile:
-    """A profile of n_layers with random figures; with repeat_runs, some consecutive layers are identical."""
+def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, optimizer: str = "adamw",
+                   byte_scale: int = 1) -> Profile:
+    """A profile of n_layers with random figures; with repeat_runs, some consecutive layers are
+    identical. byte_scale multiplies every size (activations, transients, parameter rows): 2**17
+    turns these KiB-sized layers into GiB-sized ones, as on a GPU."""
     batch_sizes = [1, 2, 4]
-    width = rng.choice([8, 16, 32]) * 1024           # bytes of one sample's activation between layers
+    kib = 1024 * byte_scale
+    width = rng.choice([8, 16, 32]) * kib            # bytes of one sample's activation between layers
     layers: list[LayerProfile] = []
     i = 0
     while i < n_layers:
         run = rng.randint(1, 3) if repeat_runs else 1
         run = min(run, n_layers - i)
-        rows, cols = rng.choice([64, 128, 256]), rng.choice([64, 128])
+        rows, cols = rng.choice([64, 128, 256]) * byte_scale, rng.choice([64, 128])
         base = {
-            "own": rng.randint(1, 8) * 1024, "keeps_in": rng.random() < 0.7, "keeps_out": rng.random() < 0.3,
-            "fwd_t": rng.randint(0, 4) * 1024, "bwd": rng.randint(1, 6) * 1024, "ck_own": rng.choice([0, 64]),
-            "ck_fwd_t": rng.randint(1, 4) * 1024, "grad": 4 * rows * cols, "fwd_s": rng.uniform(1e-4, 1e-3),
+            "own": rng.randint(1, 8) * kib, "keeps_in": rng.random() < 0.7, "keeps_out": rng.random() < 0.3,
+            "fwd_t": rng.randint(0, 4) * kib, "bwd": rng.randint(1, 6) * kib, "ck_own": rng.choice([0, 64]) * byte_scale,
+            "ck_fwd_t": rng.randint(1, 4) * kib, "grad": 4 * rows * cols, "fwd_s": rng.uniform(1e-4, 1e-3),
             "flops": rng.randint(1, 100) * 10**6, "io": rng.randint(1, 10) * 10**5,
         }
         sig = f"s{i}"
