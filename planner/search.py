@@ -295,6 +295,13 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         stages = simplify(model, cand, layout.stages)
         pred = model.evaluate(cand, stages)
+        if not pred.fits:
+            # The MILP's rows are the walk's records, so this means a solver tolerance let a
+            # layout through that the cost model says does not fit: never list it.
+            result.notes.append(f"{cand.describe()}: the solver's layout peaks at {pred.peak_bytes / 2**30:.2f} GiB, "
+                                "over the limit by the cost model; left out")
+            result.infeasible += 1
+            continue
         if cand.schedule == "1f1b" and cand.pp > 1:
             one_f_one_b[cand] = pred.step_s
         result.solutions.append(Solution(cand, stages, pred))
