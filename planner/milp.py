@@ -143,9 +143,10 @@ def add_bytes_bound(prob: pulp.LpProblem, lhs, rhs, limit: int, name: str) -> No
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
-                 memory: bool = True) -> Layout:
+                 memory: bool = True, cutoff: float | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
-    `memory=False`: with no memory limit, the fastest layout there is)."""
+    `memory=False`: with no memory limit, the fastest layout there is; `cutoff`: only a layout
+    of at most this step time, else status "cut off")."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.pp
@@ -463,7 +464,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(ck, off) == c)
                     prob += var == count, f"fixed_{var.name}"
 
+    if cutoff is not None:
+        # Only a layout that could enter the top K is wanted. The bound lets the solver discard
+        # whole branches at once; proving nothing is under it is usually far quicker than
+        # finding the candidate's own optimum. (The tolerance keeps exact ties.)
+        prob += (m + S - 1) * tau + omega <= cutoff * MS * (1 + 1e-6), "cutoff_kth_best_step_time"
+
     status = _solve(prob, solver, time_limit)
+    if cutoff is not None and status == "infeasible":
+        return Layout("cut off", None, None)
     if status not in ("optimal", "time limit"):
         return Layout(status, None, None)
 

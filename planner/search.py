@@ -64,7 +64,7 @@ class SearchResult:
     solutions: list[Solution]                          # best first
     candidates: int                                    # how many were enumerated
     solved: int                                        # how many MILPs ran
-    pruned: int                                        # skipped by the time bound
+    pruned: int                                        # skipped by the time bound, or cut off by the K-th best time
     infeasible: int                                    # proven not to fit (bound or MILP)
     closest: tuple[Candidate, int] | None = None       # when nothing fits: the layout with the smallest peak, and that peak
     notes: list[str] = field(default_factory=list)
@@ -285,9 +285,21 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             result.pruned += 1
             continue
         result.solved += 1
-        layout = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit)
+        # Once K layouts are in hand, a candidate matters only if it can beat the K-th.
+        full = len(result.solutions) >= opts.top_k
+        cutoff = result.solutions[opts.top_k - 1].prediction.step_s if full else None
+        layout = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff)
+        if layout.status == "cut off":
+            result.pruned += 1
+            continue
         if layout.status == "time limit":
             result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
+        if layout.stages is None and full:
+            # Stopped at the time limit before finding a layout faster than the K-th best.
+            result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit before finding a layout "
+                                f"faster than the {opts.top_k}th best; not proven slower")
+            result.pruned += 1
+            continue
         if layout.stages is None:
             result.infeasible += 1
             if closest is None or need < closest[1]:

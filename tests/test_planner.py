@@ -199,6 +199,29 @@ def test_search_prunes_only_by_proven_bounds():
     assert result.solutions[0].prediction.step_s == pytest.approx(min(every), rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_is_the_k_fastest_of_every_candidate(seed):
+    """With K layouts in hand the search asks each MILP only for a layout faster than the K-th
+    (and bounds prune the rest); the K it returns are still the K fastest of all candidates."""
+    rng = random.Random(seed)
+    prof = random_profile(rng, rng.randint(4, 7))
+    hw = cpu_like(1 << 40)
+    one_device = CostModel(prof, hw, 8, 1 << 40).evaluate(Candidate(1, 1, 1, 1, 16, 0, "1f1b", False, False),
+                                                           [[(i, False, False) for i in range(prof.n_layers)]])
+    limit = int(one_device.peak_bytes * 0.7)     # tight enough that checkpointing and sharding matter
+    opts = SolveOptions(gpus=rng.choice([4, 8]), hardware=hw, global_batch=16, offload="none", schedule="1f1b",
+                        top_k=3, memory_limit=limit)
+    result = search(prof, opts)
+    model = CostModel(prof, hw, opts.node_size, limit)
+    every = []
+    for cand in enumerate_candidates(prof, opts):
+        layout = solve_layout(model, cand, choices_for("auto", "none", cand.allow_offload))
+        if layout.stages:
+            every.append(model.evaluate(cand, layout.stages).step_s)
+    expected = sorted(every)[:3]
+    assert [s.prediction.step_s for s in result.solutions] == pytest.approx(expected, rel=1e-6)
+
+
 def test_tensor_parallel_degree_divides_the_head_counts():
     """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
     from planner.search import SolveError, check_options
