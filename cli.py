@@ -264,8 +264,8 @@ def solve(
         fail(str(e))
     print_top(result, limit_bytes)
     print_plan(plan)
-    out.print(f"{result.candidates} layouts: {result.solved} solved, {result.pruned} pruned by bounds, "
-              f"{result.infeasible} proven not to fit.")
+    out.print(f"{result.candidates} layouts, {result.solved} MILPs solved: {result.pruned} ruled out as slower than "
+              f"the top {top} (by a bound or by their MILP), {result.infeasible} as not fitting.")
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}", highlight=False)
     out.print(f"wrote [bold]{output}[/]; run it with:\n  {plan.launch}")
