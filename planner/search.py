@@ -10,6 +10,8 @@ memory lower bound exceeds the limit is skipped as infeasible. Nothing is sample
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -281,15 +283,17 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             if closest is None or need < closest[1]:
                 closest = (cand, need)
             continue
-        if cand.schedule == "gpipe" and can_only_tie_twin(model, cand, choices, one_f_one_b, opts):
-            result.pruned += 1
-            continue
-        result.solved += 1
         # Once K layouts are in hand, a candidate matters only if it can beat the K-th.
         full = len(result.solutions) >= opts.top_k
         cutoff = result.solutions[opts.top_k - 1].prediction.step_s if full else None
+        if cand.schedule == "gpipe" and can_only_tie_twin(model, cand, choices, one_f_one_b, opts, cutoff):
+            result.pruned += 1
+            continue
+        result.solved += 1
         layout = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff)
         if layout.status == "cut off":
+            if cand.schedule == "1f1b" and cand.pp > 1:
+                one_f_one_b[cand] = math.inf            # slower than the K-th best, whatever its layout
             result.pruned += 1
             continue
         if layout.status == "time limit":
@@ -326,19 +330,26 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     return result
 
 
-def can_only_tie_twin(model: CostModel, cand: Candidate, choices, one_f_one_b: dict, opts: SolveOptions) -> bool:
-    """Whether a GPipe candidate can at best tie its 1F1B twin (same degrees, micro-batching, ZeRO).
+def can_only_tie_twin(model: CostModel, cand: Candidate, choices, one_f_one_b: dict, opts: SolveOptions,
+                      cutoff: float | None) -> bool:
+    """Whether a GPipe candidate can at best tie its 1F1B twin (same degrees, micro-batching, ZeRO)
+    or, once the twin was cut off, cannot beat the K-th best (`cutoff`).
 
     Both schedules take (m + pp - 1) x the slowest stage, so with no memory limit they share
-    the fastest layout. If the twin already reached that time, no GPipe layout is faster; the
-    tie is not listed twice. (1F1B candidates are visited first: they sort before GPipe.)
+    the fastest layout, a lower bound for both. If the twin already reached that time, no GPipe
+    layout is faster; the tie is not listed twice. If that bound is above the cutoff, no GPipe
+    layout enters the top K. (1F1B candidates are visited first: they sort before GPipe.)
     """
     twin = Candidate(cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.num_micro_batches, cand.zero,
                      "1f1b", cand.fsdp, cand.allow_offload)
     if twin not in one_f_one_b:
         return False
     free = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, memory=False)
-    return free.status == "optimal" and one_f_one_b[twin] <= free.objective * (1 + 1e-9)
+    if free.status != "optimal":
+        return False
+    if cutoff is not None and free.objective > cutoff * (1 + 1e-6):
+        return True
+    return one_f_one_b[twin] <= free.objective * (1 + 1e-9)
 
 
 def simplify(model: CostModel, cand: Candidate, stages):
