@@ -10,7 +10,6 @@ memory lower bound exceeds the limit is skipped as infeasible. Nothing is sample
 
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass, field
 from typing import Callable
@@ -292,8 +291,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         result.solved += 1
         layout = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff)
         if layout.status == "cut off":
-            if cand.schedule == "1f1b" and cand.pp > 1:
-                one_f_one_b[cand] = math.inf            # slower than the K-th best, whatever its layout
+            # (A cut-off 1F1B twin does not vouch for its GPipe twin: that one is asked with the
+            # same cutoff, usually as quickly as a memory-free bound would be found.)
             result.pruned += 1
             continue
         if layout.status == "time limit":
@@ -332,8 +331,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
 
 def can_only_tie_twin(model: CostModel, cand: Candidate, choices, one_f_one_b: dict, opts: SolveOptions,
                       cutoff: float | None) -> bool:
-    """Whether a GPipe candidate can at best tie its 1F1B twin (same degrees, micro-batching, ZeRO)
-    or, once the twin was cut off, cannot beat the K-th best (`cutoff`).
+    """Whether a GPipe candidate can at best tie its solved 1F1B twin (same degrees,
+    micro-batching, ZeRO), or cannot beat the K-th best (`cutoff`).
 
     Both schedules take (m + pp - 1) x the slowest stage, so with no memory limit they share
     the fastest layout, a lower bound for both. If the twin already reached that time, no GPipe
