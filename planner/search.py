@@ -10,7 +10,6 @@ memory lower bound exceeds the limit is skipped as infeasible. Nothing is sample
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
 from typing import Callable
 
