@@ -142,12 +142,10 @@ def main() -> None:
                 if args.only and case.name != args.only:
                     continue
                 t = time.perf_counter()
-                rows += run_case(model, case, cache, Path(tmp))
-                last = rows[-1]
+                case_rows = run_case(model, case, cache, Path(tmp))
+                rows += case_rows
                 print(f"{model:4s} {case.name:24s} {time.perf_counter() - t:5.1f}s  worst error "
-                      f"{max(abs(r['error_pct']) for r in rows if r['plan'] == case.name and r['model'] == model):.2f}%",
-                      flush=True)
-                del last
+                      f"{max(abs(r['error_pct']) for r in case_rows):.2f}%", flush=True)
     df = pd.DataFrame(rows)
     table = Table(title="predicted vs measured peak memory per stage (CPU processes, gloo)")
     for col in ("model", "plan", "stage", "predicted MiB", "measured MiB", "error", "peak during", "step s pred/meas"):

@@ -78,6 +78,11 @@ class LayerCost:
     dp_sync_bytes: int     # gradient bytes all-reduced once per step (replicate), 0 otherwise
     model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
 
+    @property
+    def micro_batch_s(self) -> float:
+        """The layer's time per micro-batch: compute, exposed collectives, host copies."""
+        return self.compute_s + self.comm_s + self.offload_s
+
 
 @dataclass
 class StagePrediction:
@@ -215,11 +220,11 @@ class CostModel:
         reduce_isz = self.store_isz
         weights = shard_numel * self.store_isz
         grads = shard_numel * reduce_isz
-        optim = optimizer_bytes(self.profile.optimizer, shard_numel, n_tensors, self.store_isz)
-        if cand.fsdp and cand.zero == 1 and mode == "replicate":
-            # ZeRO-1: each rank steps ceil(n / dp) elements of every parameter (rank 0 the most).
-            optim = optimizer_bytes(self.profile.optimizer, sum(-(-_numel(sh) // d) for sh in shapes),
-                                    n_tensors, self.store_isz)
+        # The elements this rank's optimizer steps: its shard, or under ZeRO-1 ceil(n / dp) of
+        # every parameter (rank 0 the most).
+        zero1 = cand.fsdp and cand.zero == 1 and mode == "replicate"
+        stepped_numel = sum(-(-_numel(sh) // d) for sh in shapes) if zero1 else shard_numel
+        optim = optimizer_bytes(self.profile.optimizer, stepped_numel, n_tensors, self.store_isz)
 
         unsharded = full_numel * self.compute_isz                 # the copy FSDP2 gathers compute onto
         gather_flat = d * shard_numel * self.compute_isz if (mode in ("shard", "shard_keep") and d > 1) else 0
@@ -287,8 +292,7 @@ class CostModel:
         # exceeds this layer's compute is exposed. TP all-reduces sit on the critical path.
         comm = tp_comm + max(0.0, fsdp_comm - compute)
         offload_s = 0.0
-        step_s = self._optimizer_s(shard_numel if mode != "replicate" or cand.zero != 1
-                                   else sum(-(-_numel(sh) // d) for sh in shapes))
+        step_s = self._optimizer_s(stepped_numel)
         if offload:
             h2d = self.hw.host_to_device_bandwidth
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
@@ -322,11 +326,7 @@ class CostModel:
         b, m = cand.micro_batch_size, cand.num_micro_batches
         first, last = choices[0][0], choices[-1][0]
         is_first, is_last = first == 0, last == self.profile.n_layers - 1
-        static = per_mb = after_backward = 0
-        if is_first:
-            static += int(self.profile.batch["input_bytes_per_sample"] * b * m)
-        if is_last:
-            static += int(self.profile.batch["target_bytes_per_sample"] * b * m)
+        static, per_mb, after_backward = self.batch_bytes(cand, is_first, is_last), 0, 0
         if cand.pp > 1:
             stage_in = self.sample(first, b, cand.tp).input_bytes
             stage_out = self.sample(last, b, cand.tp).output_bytes
@@ -339,6 +339,12 @@ class CostModel:
             else:
                 after_backward += stage_out
         return static, per_mb, after_backward
+
+    def batch_bytes(self, cand: Candidate, is_first: bool, is_last: bool) -> int:
+        """The step's batch a stage holds all step: inputs on the first stage, targets on the last."""
+        b, m = cand.micro_batch_size, cand.num_micro_batches
+        return (int(self.profile.batch["input_bytes_per_sample"] * b * m) if is_first else 0) \
+            + (int(self.profile.batch["target_bytes_per_sample"] * b * m) if is_last else 0)
 
     def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
         key = ("stage", cand, stage, tuple(choices))
@@ -358,7 +364,7 @@ class CostModel:
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
         costs, loss = self.stage_costs(cand, stage, choices)
-        per_mb = sum(c.compute_s + c.comm_s + c.offload_s for c in costs) + (loss.compute_s if loss else 0.0)
+        per_mb = sum(c.micro_batch_s for c in costs) + (loss.compute_s if loss else 0.0)
         per_mb += self.p2p_s(cand, choices)
         bwd_window = sum(c.compute_s for c in costs) / 2
         sync = ring_allreduce_s(sum(c.dp_sync_bytes for c in costs), cand.dp, *self._link(cand.dp * cand.tp))

@@ -34,8 +34,8 @@ from itertools import product
 
 import pulp
 
-from .cost import Candidate, CostModel, ring_allreduce_s
-from .memory import LayerMemory, schedule_actions
+from .cost import Candidate, CostModel
+from .memory import schedule_actions
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
 MS = 1e3                # time rows in milliseconds, memory rows as a fraction of the limit: keeps
@@ -269,7 +269,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         kept_unsharded = pulp.lpSum(mem[r, c].kept_unsharded * L[r, s, c] for r, c in seg)
         step_grads = pulp.lpSum((mem[r, c].grads if mem[r, c].step_grads is None else mem[r, c].step_grads) * L[r, s, c]
                                 for r, c in seg)
-        static_batch, _ = _static_batch(model, cand, s)
+        static_batch = model.batch_bytes(cand, s == 0, last_stage)
         static = weights + optim + bufs + static_batch + recv_buffers
         # Unsharded copies FSDP2 keeps from forward to backward: all of them under pipelining,
         # else those of the layers up to the current one (`through` below).
@@ -426,8 +426,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             add_stage_memory_rows(s, seg, stage_in, stage_out)
 
         # -- time -----------------------------------------------------------------------
-        per_mb_time = pulp.lpSum((cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s) * L[r, s, c]
-                                 for r, c in seg)
+        per_mb_time = pulp.lpSum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg)
         if last_stage:
             per_mb_time += loss.compute_s
         if S > 1:
@@ -449,11 +448,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and
     # misses this; with it, balanced layouts of identical layers are proven optimal at once.
-    fastest = sorted(min(cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s for c in choices)
-                     for r, (_, length) in enumerate(runs) for _ in range(length))
+    fastest = sorted(min(cost[r, c].micro_batch_s for c in choices) for r, (_, length) in enumerate(runs) for _ in range(length))
     prob += tau >= sum(fastest[: -(-n // S)]) * MS, "cut_fullest_stage"
     for r, (_, length) in enumerate(runs):
-        t_r = min(cost[r, c].compute_s + cost[r, c].comm_s + cost[r, c].offload_s for c in choices)
+        t_r = min(cost[r, c].micro_batch_s for c in choices)
         prob += tau >= -(-length // S) * t_r * MS, f"cut_fullest_stage_run{r}"   # some stage holds ceil(len/S) of run r
 
     if fixed is not None:
@@ -487,17 +485,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     placed[r] += 1
         stages.append(layers)
     return Layout(status, stages, pulp.value(prob.objective) / MS)
-
-
-def _static_batch(model: CostModel, cand: Candidate, s: int) -> tuple[int, int]:
-    """Batch bytes held all step by stage s (inputs on the first stage, targets on the last)."""
-    b, m = cand.micro_batch_size, cand.num_micro_batches
-    static = 0
-    if s == 0:
-        static += int(model.profile.batch["input_bytes_per_sample"] * b * m)
-    if s == cand.pp - 1:
-        static += int(model.profile.batch["target_bytes_per_sample"] * b * m)
-    return static, 0
 
 
 def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:

@@ -188,6 +188,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     runs = runs_of([l.signature for l in model.profile.layers])
     with_sync = without_sync = 0.0
     slowest = 0.0
+    fullest_run = 0.0                          # some stage holds ceil(len / pp) layers of each run
     fastest_each: list[float] = []             # every layer's fastest time per micro-batch
     replicate = cand.fsdp and cand.zero in (0, 1) and cand.dp > 1
     bw, lat = model._link(cand.dp * cand.tp)
@@ -195,7 +196,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         best_w = best_wo = best_t = None
         for c in choices:
             lc = model.layer(cand, start, c.checkpoint, c.offload)
-            t = _time_per_micro_batch(lc)
+            t = lc.micro_batch_s
             sync = 2 * (cand.dp - 1) / cand.dp * lc.dp_sync_bytes / bw if replicate else 0.0
             if replicate and cand.zero == 1:
                 sync += lc.dp_sync_bytes / bw
@@ -207,32 +208,20 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         with_sync += length * best_w
         without_sync += length * best_wo
         slowest = max(slowest, best_t)
+        fullest_run = max(fullest_run, -(-length // pp) * best_t)
         fastest_each += [best_t] * length
     loss = (m + pp - 1) * model.loss(cand).compute_s
     latency = 2 * (cand.dp - 1) * lat if replicate else 0.0
     # Some stage holds at least ceil(n / pp) layers, so it takes at least as long as that
     # many of the fastest layers; with pp > 1 it also sends or receives one activation.
     n = len(fastest_each)
-    fullest = max(fullest_stage_bound(model, cand, choices), sum(sorted(fastest_each)[: -(-n // pp)]))
+    fullest = max(fullest_run, sum(sorted(fastest_each)[: -(-n // pp)]))
     if pp > 1:
         bw_pp, lat_pp = model._link(cand.dp * cand.tp * 2)
         smallest = min(model.sample(i, cand.micro_batch_size, cand.tp).input_bytes
                        for start, length in runs for i in (start, start + length - 1) if i > 0)
         fullest += smallest / bw_pp + 2 * lat_pp
     return max((with_sync + loss) / pp + latency, (without_sync + loss) / pp, (m + pp - 1) * max(slowest, fullest))
-
-
-def fullest_stage_bound(model: CostModel, cand: Candidate, choices) -> float:
-    """Some stage holds ceil(len / pp) layers of each run, so it takes at least that long."""
-    best = 0.0
-    for start, length in runs_of([l.signature for l in model.profile.layers]):
-        t = min(_time_per_micro_batch(model.layer(cand, start, c.checkpoint, c.offload)) for c in choices)
-        best = max(best, -(-length // cand.pp) * t)
-    return best
-
-
-def _time_per_micro_batch(lc) -> float:
-    return lc.compute_s + lc.comm_s + lc.offload_s
 
 
 def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
