@@ -15,3 +15,4 @@ build_model = gpt.build_model
 make_batch = gpt.make_batch
 loss_fn = gpt.loss_fn
 tp_plan = gpt.tp_plan
+tp_divides = [gpt.N_HEAD]
