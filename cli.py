@@ -206,6 +206,54 @@ def hardware_cmd():
     out.print("Sources for every number: planner/hardware.py (Hardware.sources).")
 
 
+@app.command()
+def calibrate(
+    device: str = typer.Option("cpu", help="cpu (processes over gloo) | cuda (GPUs of this node over NCCL)."),
+    processes: str = typer.Option("2,4", help="Process counts to measure collectives at, comma-separated (cuda: GPUs)."),
+    base: Optional[str] = typer.Option(None, help="Preset whose other figures the file keeps (default: cpu, or h100-sxm-80g)."),
+    output: Path = typer.Option(Path("cluster.toml"), "-o", "--output", help="Where to write the cluster file."),
+):
+    """Measure this machine's collectives and rates; write a cluster file for `plan solve --cluster`."""
+    from planner.hardware import PRESETS
+    try:
+        counts = tuple(sorted({int(x) for x in processes.split(",") if x.strip()}))
+    except ValueError:
+        fail(f"--processes {processes!r} is not a comma-separated list of integers, e.g. 2,4.")
+    if not counts or min(counts) < 2:
+        fail(f"--processes {processes!r} must list counts of 2 or more, e.g. 2,4.")
+    if device not in ("cpu", "cuda"):
+        fail(f"--device {device} is not cpu or cuda.")
+    if base is not None and base not in PRESETS:
+        fail(f"--base {base} is not a preset; use one of {', '.join(PRESETS)}.")
+    import torch
+    if device == "cuda" and torch.cuda.device_count() < max(counts):
+        fail(f"--device cuda --processes {processes} needs {max(counts)} GPUs but torch sees {torch.cuda.device_count()}; "
+             "give fewer processes.")
+    check_writable(output)
+    from profiles.calibrate import calibrate as run_calibration, write_cluster_file
+    base_name = base or ("cpu" if device == "cpu" else "h100-sxm-80g")
+    with Progress(TextColumn("[progress.description]{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("calibrating", total=None)
+        cal = run_calibration(device, counts, base_name, on_progress=lambda msg: bar.update(task, description=msg))
+    write_cluster_file(cal, base_name, output)
+    for note in cal.notes:
+        out.print(note, highlight=False)
+    out.print(f"wrote [bold]{output}[/]; plan with it: plan solve --cluster {output} --gpus N", highlight=False)
+
+
+def check_writable(path: Path) -> None:
+    """Fail before any work when `path` cannot be written."""
+    import os
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{path} is a directory; give a file name.")
+    if not parent.is_dir():
+        fail(f"the folder {parent} does not exist; create it or give another path.")
+    if not os.access(parent, os.W_OK):
+        fail(f"the folder {parent} is not writable; give another path.")
+
+
 # ----------------------------------------------------------------------------------------
 # plan solve
 # ----------------------------------------------------------------------------------------

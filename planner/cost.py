@@ -29,7 +29,7 @@ How each knob is costed (it mirrors what runtime/ does):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from profiles.schema import LayerProfile, LayerSample, Profile
 
@@ -74,14 +74,33 @@ class LayerCost:
     compute_s: float       # forward + backward (+ recompute) per micro-batch
     comm_s: float          # exposed collective time per micro-batch (TP all-reduces, FSDP gathers / reduce-scatters)
     offload_s: float       # host<->device copies per micro-batch
-    step_s: float          # once per step: optimizer step (device or host)
-    dp_sync_bytes: int     # gradient bytes all-reduced once per step (replicate), 0 otherwise
+    step_s: float          # once per step, never hidden: optimizer step (device or host), ZeRO-1 broadcasts
+    sync_s: float          # once per step, hideable behind the last backward: gradient all-reduce (replicate), final reduction (pipelining)
     model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
+    tp_comm_s: float = 0.0  # the part of comm_s that is TP all-reduces
 
     @property
     def micro_batch_s(self) -> float:
         """The layer's time per micro-batch: compute, exposed collectives, host copies."""
         return self.compute_s + self.comm_s + self.offload_s
+
+
+@dataclass
+class TimeTerms:
+    """A stage's time (see CostModel.time_terms): per micro-batch, and once per step."""
+
+    per_micro_batch: float
+    step: float                 # optimizer steps and broadcasts
+    sync_minus_window: float    # gradient collectives less what the backward can hide of them
+
+    @property
+    def exposed_sync(self) -> float:
+        """The MILP writes this as exposed >= sync_minus_window, exposed >= 0."""
+        return max(0.0, self.sync_minus_window)
+
+    @property
+    def once_per_step(self) -> float:
+        return self.step + self.exposed_sync
 
 
 @dataclass
@@ -91,6 +110,7 @@ class StagePrediction:
     memory: StageMemory
     micro_batch_s: float    # one micro-batch's forward + backward on this stage, comms included
     step_extra_s: float     # once per step: exposed gradient sync + optimizer
+    parts: dict[str, float] = field(default_factory=dict)  # micro_batch_s and step_extra_s by component (TIME_COMPONENTS)
 
 
 @dataclass
@@ -112,18 +132,8 @@ class Prediction:
         return self.peak_bytes <= self.memory_limit
 
 
-def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-reduce: 2(n-1)/n of the data over the slowest link, 2(n-1) latency steps."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-
-
-def ring_gather_s(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-gather or reduce-scatter of `nbytes` (the unsharded size)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+# What a step's time is made of, as the runtime's breakdown (runtime/breakdown.py) names it too.
+TIME_COMPONENTS = ("compute", "tp_comm", "dp_comm", "offload", "p2p", "bubble", "optimizer")
 
 
 def uses_fsdp(dp: int, precision: str, any_offload: bool) -> bool:
@@ -270,40 +280,86 @@ class CostModel:
                           keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a,
                           **fsdp_mem)
 
-        # Time per micro-batch.
+        # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
-        compute = fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)
-        bw_tp, lat_tp = self._link(t)
-        tp_comm = sum(ring_allreduce_s(nbytes / max(count, 1), t, bw_tp, lat_tp) * count
-                      for nbytes, count in ((s.tp_fwd_comm_bytes, s.tp_fwd_comm_count),
-                                            (s.tp_bwd_comm_bytes, s.tp_bwd_comm_count)))
-        if checkpoint:
-            tp_comm += sum(ring_allreduce_s(s.tp_fwd_comm_bytes / max(s.tp_fwd_comm_count, 1), t, bw_tp, lat_tp)
-                           for _ in range(s.tp_fwd_comm_count))
-        bw_dp, lat_dp = self._link(d * t)
-        fsdp_comm = 0.0
+        scale = self.compute_scale(cand)
+        compute = (fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)) * scale
+        # TP all-reduces sit on the critical path; a checkpointed layer runs its forward's again.
+        tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
+        tp_comm = tp_fwd * (2 if checkpoint else 1) \
+            + self.collective_s("all_reduce", s.tp_bwd_comm_bytes, t, cand, count=s.tp_bwd_comm_count)
+        gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand)
+        reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand)
+        fsdp_comm = sync = 0.0
         if mode == "shard":
-            fsdp_comm = 2 * ring_gather_s(d * shard_numel * self.compute_isz, d, bw_dp, lat_dp) \
-                + ring_gather_s(d * shard_numel * reduce_isz, d, bw_dp, lat_dp)
+            fsdp_comm = 2 * gather               # forward, and again in backward (resharded after forward)
         elif mode == "shard_keep":
-            fsdp_comm = ring_gather_s(d * shard_numel * self.compute_isz, d, bw_dp, lat_dp) \
-                + ring_gather_s(d * shard_numel * reduce_isz, d, bw_dp, lat_dp)
-        # Collectives overlap the neighbouring layers' compute (FSDP2 prefetches); what
-        # exceeds this layer's compute is exposed. TP all-reduces sit on the critical path.
-        comm = tp_comm + max(0.0, fsdp_comm - compute)
+            fsdp_comm = gather
+        if mode != "plain":
+            if cand.pp > 1 or mode == "replicate":
+                sync = reduce                    # once per step: after the last micro-batch (replicate) or at the step's end (pipelining)
+            else:
+                fsdp_comm += reduce              # fully_shard reduce-scatters every micro-batch
+        comm = tp_comm + self.exposed_s(fsdp_comm, compute)
         offload_s = 0.0
-        step_s = self._optimizer_s(stepped_numel)
+        step_s = self._optimizer_s(lp, stepped_numel)
         if offload:
             h2d = self.hw.host_to_device_bandwidth
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
             step_s = shard_numel / self.hw.cpu_adam_params_per_s
-        dp_sync = full_numel * reduce_isz if (mode == "replicate" and d > 1) else 0
-        return LayerCost(mem, compute, comm, offload_s, step_s, dp_sync, s.fwd_flops + s.bwd_flops)
+        if zero1 and d > 1:
+            # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
+            step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand)
+                          for sh in shapes)
+        return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm)
 
-    def _optimizer_s(self, numel: int) -> float:
-        """Fused optimizer step: bytes read and written per parameter over device bandwidth."""
+    def compute_scale(self, cand: Candidate) -> float:
+        """How much slower compute runs than it was measured: CPU processes beyond the cores
+        that run at full speed at once share them (the profile times one process alone)."""
+        if self.hw.device_type != "cpu":
+            return 1.0
+        busy = min(cand.world_size, self.gpus_per_node)
+        return max(1.0, busy / self.hw.host_cores)
+
+    def collective_terms(self, kind: str, group: int, cand: Candidate) -> tuple[float, float]:
+        """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
+        the calibrated fit (plan calibrate) where there is one, else the ring model on the link
+        the group spans (TP groups are consecutive ranks; DP groups stride over tp; a pipeline
+        neighbour is dp x tp ranks away)."""
+        if group <= 1:
+            return 0.0, 0.0
+        fit = self.hw.collective(kind, group, min(cand.world_size, self.gpus_per_node))
+        if fit is not None:
+            return fit.latency_s, 1.0 / fit.bandwidth
+        span = {"all_reduce": group, "all_gather": group, "reduce_scatter": group, "broadcast": group}.get(kind, 2)
+        stride = cand.tp if kind != "send_recv" and group == cand.dp and group != cand.tp else 1
+        bw, lat = self._link(span * stride if kind != "send_recv" else cand.dp * cand.tp * 2)
+        if kind == "all_reduce":
+            return 2 * (group - 1) * lat, 2 * (group - 1) / group / bw
+        if kind in ("all_gather", "reduce_scatter"):
+            return (group - 1) * lat, (group - 1) / group / bw
+        return lat, 1.0 / bw                   # broadcast (pipelined), send/receive
+
+    def collective_s(self, kind: str, nbytes: float, group: int, cand: Candidate, count: int = 1) -> float:
+        """`count` collectives moving `nbytes` in all (each nbytes / count)."""
+        if group <= 1 or nbytes <= 0 or count <= 0:
+            return 0.0
+        lat, per_byte = self.collective_terms(kind, group, cand)
+        return count * lat + nbytes * per_byte
+
+    def exposed_s(self, comm: float, window: float) -> float:
+        """Collective time compute does not hide: `window` seconds of compute, of which the
+        hardware's overlap share can run beside collectives (gloo on CPU: none; NCCL's streams:
+        all, assumed)."""
+        return max(0.0, comm - self.hw.collective_overlap * window)
+
+    def _optimizer_s(self, lp: LayerProfile, numel: int) -> float:
+        """The optimizer step of `numel` of the layer's elements: the profile's measured step
+        (same device) scaled by elements, else bytes read and written over memory bandwidth."""
+        if self.measured_here and lp.optimizer_step_s > 0 and lp.param_count > 0:
+            return lp.optimizer_step_s * numel / lp.param_count
         touches = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}[self.profile.optimizer]
-        return numel * touches * self.store_isz / self.hw.hbm_bandwidth
+        return numel * touches * self.store_isz / self.hw.memory_bandwidth()
 
     # -- a whole layout -------------------------------------------------------------------
     def stage_costs(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[list[LayerCost], LayerCost | None]:
@@ -364,30 +420,33 @@ class CostModel:
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
         costs, loss = self.stage_costs(cand, stage, choices)
-        per_mb = sum(c.micro_batch_s for c in costs) + (loss.compute_s if loss else 0.0)
-        per_mb += self.p2p_s(cand, choices)
-        bwd_window = sum(c.compute_s for c in costs) / 2
-        sync = ring_allreduce_s(sum(c.dp_sync_bytes for c in costs), cand.dp, *self._link(cand.dp * cand.tp))
-        per_step = max(0.0, sync - bwd_window) + sum(c.step_s for c in costs)
-        if cand.fsdp and cand.zero == 1 and cand.dp > 1:
-            # The sharded optimizer broadcasts every parameter from its owner after the step.
-            bw, lat = self._link(cand.dp * cand.tp)
-            per_step += sum(c.dp_sync_bytes for c in costs) / bw + cand.dp * lat
-        return per_mb, per_step
-
-    def p2p_s(self, cand: Candidate, choices: list[tuple[int, bool, bool]]) -> float:
-        """Sending activations forward and gradients back between pipeline stages, per micro-batch."""
-        if cand.pp == 1:
-            return 0.0
-        b = cand.micro_batch_size
         first, last = choices[0][0], choices[-1][0]
+        terms = self.time_terms(
+            cand, layers_s=sum(c.micro_batch_s for c in costs), loss_s=loss.compute_s if loss else 0.0,
+            sent_bytes=self.boundary_bytes(cand, first, last), boundaries=(first > 0) + (last < self.profile.n_layers - 1),
+            step_s=sum(c.step_s for c in costs), sync_s=sum(c.sync_s for c in costs),
+            compute_s=sum(c.compute_s for c in costs))
+        return terms.per_micro_batch, terms.once_per_step
+
+    def time_terms(self, cand: Candidate, layers_s, loss_s, sent_bytes, boundaries, step_s, sync_s, compute_s) -> "TimeTerms":
+        """A stage's time from sums over its layers, the one definition of it: the cost model
+        passes numbers, the MILP passes affine expressions of its variables (hence only + and
+        *). Per micro-batch: its layers, the loss, and at each pipeline boundary the activation
+        sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
+        the gradient collectives that half the backward may hide."""
+        lat, per_byte = self.collective_terms("send_recv", 2, cand) if cand.pp > 1 else (0.0, 0.0)
+        return TimeTerms(per_micro_batch=layers_s + loss_s + 2 * (boundaries * lat + sent_bytes * per_byte),
+                         step=step_s, sync_minus_window=sync_s - self.hw.collective_overlap * 0.5 * compute_s)
+
+    def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:
+        """Activation bytes a stage from layer `first` to `last` exchanges with its neighbours per micro-batch."""
+        b = cand.micro_batch_size
         nbytes = 0
-        if first > 0:
+        if cand.pp > 1 and first > 0:
             nbytes += self.sample(first, b, cand.tp).input_bytes
-        if last < self.profile.n_layers - 1:
+        if cand.pp > 1 and last < self.profile.n_layers - 1:
             nbytes += self.sample(last, b, cand.tp).output_bytes
-        bw, lat = self._link(cand.dp * cand.tp * 2)
-        return nbytes / bw + 2 * lat
+        return nbytes
 
     def evaluate(self, cand: Candidate, stages: list[list[tuple[int, bool, bool]]]) -> Prediction:
         """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order."""
@@ -395,26 +454,41 @@ class CostModel:
         for s, choices in enumerate(stages):
             mem = self.stage_memory(cand, s, choices)
             per_mb, per_step = self.stage_times(cand, s, choices)
-            preds.append(StagePrediction(s, [c[0] for c in choices], mem, per_mb, per_step))
+            preds.append(StagePrediction(s, [c[0] for c in choices], mem, per_mb, per_step,
+                                         self.stage_parts(cand, s, choices, per_mb, per_step)))
         return self.finish(cand, preds)
+
+    def stage_parts(self, cand: Candidate, stage: int, choices, per_mb: float, per_step: float) -> dict[str, float]:
+        """One stage's time per micro-batch and once per step by component (they add up to both)."""
+        costs, loss = self.stage_costs(cand, stage, choices)
+        compute = sum(c.compute_s for c in costs) + (loss.compute_s if loss else 0.0)
+        tp = sum(c.tp_comm_s for c in costs)
+        offload = sum(c.offload_s for c in costs)
+        dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs)
+        step = sum(c.step_s for c in costs)
+        return {"compute": compute, "tp_comm": tp, "offload": offload, "dp_comm": dp_mb,
+                "p2p": per_mb - compute - tp - offload - dp_mb,
+                "optimizer": step, "dp_sync": per_step - step}
 
     def finish(self, cand: Candidate, preds: list[StagePrediction]) -> Prediction:
         m, pp = cand.num_micro_batches, cand.pp
-        slowest = max(p.micro_batch_s for p in preds)
-        extra = max(p.step_extra_s for p in preds)
-        step = (m + pp - 1) * slowest + extra
+        slowest = max(preds, key=lambda p: p.micro_batch_s)
+        fullest = max(preds, key=lambda p: p.step_extra_s)
+        step = (m + pp - 1) * slowest.micro_batch_s + fullest.step_extra_s
         flops = sum(self.layer(cand, i, False, False).model_flops for i in range(self.profile.n_layers)) \
             + self.loss(cand).model_flops
         # Per step: every dp replica runs m micro-batches; TP ranks each did 1/tp of the FLOPs
         # already (the profile's tp figures), so count tp of them.
         total_flops = flops * m * cand.dp * cand.tp
         mfu = total_flops / (step * cand.world_size * self.hw.flops(self.precision)) if step > 0 else 0.0
-        comps = {
-            "compute": m * slowest,
-            "bubble": (pp - 1) * slowest,
-            "step_extra": extra,
-            "total": step,
-        }
+        # The step by component: m micro-batches of the slowest stage, the bubble, and the
+        # once-per-step work of the stage with the most of it.
+        sp, fp = slowest.parts, fullest.parts
+        comps = {k: m * sp[k] for k in ("compute", "tp_comm", "offload", "p2p")}
+        comps["dp_comm"] = m * sp["dp_comm"] + fp["dp_sync"]
+        comps["bubble"] = (pp - 1) * slowest.micro_batch_s
+        comps["optimizer"] = fp["optimizer"]
+        comps["total"] = step
         return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,
                           self.memory_limit)
 

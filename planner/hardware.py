@@ -74,9 +74,22 @@ _FIELD_KINDS: dict[str, str] = {
     "host_memory_bytes": "size",
     "host_to_device_bandwidth": "bandwidth",
     "cpu_adam_params_per_s": "rate",
+    "host_cores": "rate",
+    "collective_overlap": "share",
+    "matmul_efficiency": "fraction",
+    "matmul_knee": "count",
+    "attention_efficiency": "fraction",
+    "memory_efficiency": "fraction",
 }
+# Fields a cluster file without a base may leave out, and what they then are: rates at the
+# datasheet's peak, collectives hidden behind compute (the assumptions before they existed).
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "host_cores": 64.0, "collective_overlap": 1.0, "matmul_efficiency": 1.0, "matmul_knee": 1,
+    "attention_efficiency": 1.0, "memory_efficiency": 1.0,
+}
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _INT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("size", "count"))
-_FLOAT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("fraction", "flops", "bandwidth", "seconds", "rate"))
+_FLOAT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("fraction", "share", "flops", "bandwidth", "seconds", "rate"))
 NUMERIC_FIELDS: tuple[str, ...] = _INT_FIELDS + _FLOAT_FIELDS
 DEVICE_TYPES = ("cuda", "cpu")
 PRECISIONS = ("fp32", "bf16", "mixed")
@@ -88,12 +101,46 @@ _EXAMPLES = {  # each completes "write ..." / "give ..."
     "seconds": 'a time such as "10us", "2ms", "1s" or a number of seconds',
     "rate": 'a rate such as "1.5G/s" or a number per second',
     "fraction": 'a fraction in (0, 1] such as 0.9 or "90%"',
+    "share": 'a share in [0, 1] such as 0, 0.5 or "100%"',
     "count": "a positive integer such as 8",
 }
 _KIND_WORDS = {
     "size": "a size", "bandwidth": "a bandwidth", "flops": "a FLOP/s figure", "seconds": "a time",
-    "rate": "a rate", "fraction": "a fraction", "count": "a count",
+    "rate": "a rate", "fraction": "a fraction", "share": "a share", "count": "a count",
 }
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """One collective's time, fitted from measurements: latency_s + nbytes / bandwidth, where
+    nbytes is the whole tensor (an all-reduce's input, an all-gather's output, a reduce-scatter's
+    input, a broadcast's or send's message), for `group` ranks while `processes` ranks of the
+    node run such collectives at once."""
+
+    kind: str                # one of COLLECTIVE_KINDS
+    group: int               # ranks in one collective's group (2 for send_recv)
+    processes: int           # ranks on the node running at the same time (groups side by side)
+    latency_s: float
+    bandwidth: float         # bytes/s of nbytes
+    max_residual: float = 0.0  # worst relative miss of the fit over the measured sizes
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise HardwareError(f"collective kind {self.kind!r} is unknown; use one of {', '.join(COLLECTIVE_KINDS)}.")
+        for name in ("group", "processes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise HardwareError(f"collective {self.kind} has {name} = {v!r}; give a positive integer.")
+        for name in ("latency_s", "bandwidth", "max_residual"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (name == "bandwidth" and v == 0):
+                raise HardwareError(f"collective {self.kind} has {name} = {v!r}; give a non-negative finite number "
+                                    "(a positive bandwidth).")
+            object.__setattr__(self, name, float(v))
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +160,14 @@ class Hardware:
     host_memory_bytes: int      # per node
     host_to_device_bandwidth: float  # bytes/s per GPU per direction (PCIe)
     cpu_adam_params_per_s: float     # parameters/s a host AdamW step updates for one GPU's share
+    # What is achievable, as opposed to the datasheet's peaks above (see achievable_s):
+    host_cores: float = 64.0         # ranks the node's cores run at full speed at once (CPU processes: more share them)
+    collective_overlap: float = 1.0  # share of FSDP2 / DP collective time that compute hides (0: none, gloo on CPU)
+    matmul_efficiency: float = 1.0   # best matmul FLOP/s as a share of the peak (large, aligned shapes)
+    matmul_knee: int = 1             # a matmul dimension d reaches d / (d + knee) of that (tile and wave quantisation)
+    attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
+    memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
+    collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 
     def __post_init__(self) -> None:
@@ -139,11 +194,20 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise HardwareError(f"{name} = {value!r} is not a number; give {_EXAMPLES[_FIELD_KINDS[name]]}.")
             value = float(value)
-            if not math.isfinite(value) or value <= 0:
+            if not math.isfinite(value) or value < 0 or (value == 0 and _FIELD_KINDS[name] != "share"):
                 raise HardwareError(
                     f"{name} = {value!r} must be a positive finite number; give {_EXAMPLES[_FIELD_KINDS[name]]}."
                 )
             object.__setattr__(self, name, value)
+        for name, kind in _FIELD_KINDS.items():
+            value = getattr(self, name)
+            if kind == "fraction" and not 0.0 < value <= 1.0:
+                raise HardwareError(f"{name} = {value!r} must be in (0, 1]; give {_EXAMPLES['fraction']}.")
+            if kind == "share" and not 0.0 <= value <= 1.0:
+                raise HardwareError(f"{name} = {value!r} must be in [0, 1]; give {_EXAMPLES['share']}.")
+        if not isinstance(self.collectives, (tuple, list)) or not all(isinstance(c, CollectiveFit) for c in self.collectives):
+            raise HardwareError("collectives must be CollectiveFit entries; write them as [[collectives]] tables.")
+        object.__setattr__(self, "collectives", tuple(self.collectives))
         if not 0.0 < self.usable_fraction <= 1.0:
             raise HardwareError(
                 f"usable_fraction = {self.usable_fraction!r} must be in (0, 1]; give the share of memory_bytes "
@@ -174,8 +238,33 @@ class Hardware:
         return int(self.memory_bytes * self.usable_fraction)
 
     def to_json(self) -> dict:
-        return {f.name: (dict(getattr(self, f.name)) if f.name == "sources" else getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["sources"] = dict(self.sources)
+        d["collectives"] = [dataclasses.asdict(c) for c in self.collectives]
+        return d
+
+    # -- what is achievable ------------------------------------------------------------
+    def matmul_flops(self, precision: str, m: int, n: int, k: int) -> float:
+        """Achievable FLOP/s of an (m x k) @ (k x n) matmul: the best share of the peak, less
+        for each dimension below the kernels' tiles (d / (d + knee) per dimension)."""
+        shape = 1.0
+        for d in (m, n, k):
+            shape *= d / (d + self.matmul_knee) if self.matmul_knee > 1 else 1.0
+        return self.flops(precision) * self.matmul_efficiency * shape
+
+    def attention_flops(self, precision: str) -> float:
+        return self.flops(precision) * self.attention_efficiency
+
+    def memory_bandwidth(self) -> float:
+        return self.hbm_bandwidth * self.memory_efficiency
+
+    def collective(self, kind: str, group: int, processes: int) -> CollectiveFit | None:
+        """The calibrated fit for `kind` over `group` ranks, measured with the number of busy
+        ranks closest to `processes` (at least it where there is one); None if none was measured."""
+        fits = [c for c in self.collectives if c.kind == kind and c.group == group]
+        if not fits:
+            return None
+        return min(fits, key=lambda c: (c.processes < processes, abs(c.processes - processes)))
 
     @classmethod
     def from_json(cls, d: dict) -> Hardware:
@@ -188,10 +277,31 @@ class Hardware:
                 f"hardware JSON has unknown field {unknown[0]!r}{_did_you_mean(unknown[0], known)}; "
                 "pass what Hardware.to_json() wrote."
             )
-        missing = [f for f in _FIELD_KINDS if f not in d]
+        missing = [f for f in _FIELD_KINDS if f not in d and f not in _OPTIONAL_DEFAULTS]
         if missing:
             raise HardwareError(f"hardware JSON lacks {', '.join(missing)}; pass what Hardware.to_json() wrote.")
-        return cls(**{k: (dict(v) if k == "sources" and isinstance(v, dict) else v) for k, v in d.items()})
+        values = {k: (dict(v) if k == "sources" and isinstance(v, dict) else v) for k, v in d.items()}
+        values["collectives"] = _collectives_from(d.get("collectives", []), "hardware JSON")
+        return cls(**values)
+
+
+def _collectives_from(entries, where: str) -> tuple[CollectiveFit, ...]:
+    """CollectiveFit entries from JSON or TOML tables (kind, group, processes, latency_s, bandwidth)."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise HardwareError(f"{where}: collectives must be a list of tables; write each as a [[collectives]] table.")
+    names = {f.name for f in dataclasses.fields(CollectiveFit)}
+    out = []
+    for e in entries:
+        unknown = sorted(set(e) - names)
+        if unknown:
+            raise HardwareError(f"{where}: a collectives entry has the unknown key {unknown[0]!r}; use {', '.join(sorted(names))}.")
+        try:
+            out.append(CollectiveFit(**e))
+        except TypeError:
+            raise HardwareError(f"{where}: a collectives entry lacks a key; give kind, group, processes, latency_s and bandwidth.") from None
+        except HardwareError as err:
+            raise HardwareError(f"{where}: {err}") from None
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,13 +410,17 @@ def _parse(value: Any, kind: str, what: str) -> int | float | str:
         if not m:
             raise HardwareError(f"{what} = {shown} is not a rate; write {_EXAMPLES['rate']}.")
         result = number * _SI_PREFIX[m.group(1)]
-    elif kind == "fraction":
+    elif kind in ("fraction", "share"):
         if unit == "%":
             result = number / 100.0
         elif unit == "":
             result = number
         else:
             raise HardwareError(f"{what} = {shown} is not a fraction; write {_EXAMPLES['fraction']}.")
+        if kind == "share":
+            if not 0.0 <= result <= 1.0:
+                raise HardwareError(f"{what} = {shown} must be in [0, 1]; write {_EXAMPLES['share']}.")
+            return float(result)
         if not 0.0 < result <= 1.0:
             raise HardwareError(
                 f"{what} = {shown} must be in (0, 1]; give the share of memory_bytes plans may use, e.g. 0.9."
@@ -367,6 +481,22 @@ _ADAM_EFF = ("0.5 of theoretical DRAM bandwidth because all GPUs of the node ste
              "dev machine reached 1.44e9 param/s with fused AdamW (bench/measure_cpu_preset.py), so "
              "compute is not the limit")
 
+_MAMF = ("Stas Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, 'Maximum "
+         "Achievable Matmul FLOPS comparison table' (mamf-finder.py, BF16 torch.matmul, best shape found)")
+_KNEE = ("engineering estimate: a dimension d below the kernels' 128-256 tiles wastes tensor-core work and "
+         "waves; d / (d + 128) per dimension puts a 4096^3 matmul at 91% of the best and 1024^3 at 70%; "
+         "`plan calibrate --device cuda` fits it on the machine")
+_OVERLAP_GPU = ("assumption, not yet measured: NCCL runs on its own CUDA streams, so FSDP2's prefetched "
+                "all-gathers and reduce-scatters run beside compute; the runtime's step breakdown on a GPU "
+                "will measure it")
+_HBM_EFF = ("engineering estimate: streaming copies reach about 90% of the HBM datasheet figure on Ampere "
+            "and Hopper parts (a 4 GiB device copy is a typical measurement); `plan calibrate --device cuda` "
+            "measures it")
+_FA2 = ("Dao, FlashAttention-2 (2023): 50-73% of A100 peak forward, less backward; 0.6 taken for "
+        "forward and backward together")
+_FA3 = ("Shah et al., FlashAttention-3 (2024): FlashAttention-2, which PyTorch's SDPA runs, reaches 35% of "
+        "H100 peak; 0.35")
+
 _H100_WP = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper (resources.nvidia.com/en-us-tensor-core/"
             "gtc22-whitepaper-hopper), table 'NVIDIA H100 SXM5' column")
 _H100_DS = ("NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/), H100 SXM column")
@@ -407,6 +537,13 @@ def _hopper_sources(gpu: str, ds: str, memory_src: str, hbm_src: str, bf16_src: 
         "cpu_adam_params_per_s": (f"engineering estimate: DGX {gpu} host = 2x Xeon Platinum 8480C ({_DGX_H}) "
                                   "with 8 DDR5-4800 channels each = 614 GB/s, /8 GPUs = 76.8 GB/s per GPU; "
                                   f"{_ADAM_BYTES}; at {_ADAM_EFF}: 76.8e9 * 0.5 / 28 = 1.37e9 param/s"),
+        "host_cores": f"{_DGX_H}: 2x Xeon Platinum 8480C, 56 cores each = 112",
+        "collective_overlap": _OVERLAP_GPU,
+        "matmul_efficiency": (f"{_MAMF}: H100 SXM 792.1 of 989 TFLOPS = 80.1% (GH200 821.0 = 83.0%)"
+                              + ("" if gpu == "H100" else "; the H200 has the H100's compute, so its figure is taken")),
+        "matmul_knee": _KNEE,
+        "attention_efficiency": _FA3,
+        "memory_efficiency": _HBM_EFF,
     }
 
 
@@ -434,11 +571,36 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
         "cpu_adam_params_per_s": (f"engineering estimate: DGX A100 host = 2x AMD EPYC 7742 ({_DGX_A}) with 8 "
                                   "DDR4-3200 channels each = 409.6 GB/s, /8 GPUs = 51.2 GB/s per GPU; "
                                   f"{_ADAM_BYTES}; at {_ADAM_EFF}: 51.2e9 * 0.5 / 28 = 0.914e9 param/s"),
+        "host_cores": f"{_DGX_A}: 2x AMD EPYC 7742, 64 cores each = 128",
+        "collective_overlap": _OVERLAP_GPU,
+        "matmul_efficiency": f"{_MAMF}: A100 SXM 267.9 of 312 TFLOPS = 85.9%",
+        "matmul_knee": _KNEE,
+        "attention_efficiency": _FA2,
+        "memory_efficiency": _HBM_EFF,
     }
 
 
-_CPU_SCRIPT = "bench/measure_cpu_preset.py (median of 5 rounds, torch 2.13 CPU, 1 intra-op thread per process)"
+_CPU_SCRIPT = "`plan calibrate --device cpu --processes 2,4` (2026-12-01, torch 2.13 CPU, 1 intra-op thread per process)"
 _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM, 2 vCPU, 23.5 GiB) with {_CPU_SCRIPT}"
+# Collectives between CPU processes as a step sees them (plan calibrate): each timed as what it
+# adds to a slice of compute before it, every process busy; fit latency + bytes / bandwidth and
+# its worst relative miss over 1 KiB..8 MiB. 4 processes on 2 cores pay several ms per collective.
+_CPU_COLLECTIVES = (
+    CollectiveFit("all_gather", 2, 2, 0.001576, 1.567e+09, 0.31),
+    CollectiveFit("all_gather", 2, 4, 0.002193, 1.313e+09, 0.44),
+    CollectiveFit("all_gather", 4, 4, 0.005734, 1.437e+09, 0.24),
+    CollectiveFit("all_reduce", 2, 2, 0.002581, 1.531e+09, 0.31),
+    CollectiveFit("all_reduce", 2, 4, 0.003186, 8.459e+08, 0.23),
+    CollectiveFit("all_reduce", 4, 4, 0.005622, 8.418e+08, 0.16),
+    CollectiveFit("broadcast", 2, 2, 0.001106, 2.343e+09, 0.18),
+    CollectiveFit("broadcast", 2, 4, 0.001755, 2.116e+09, 0.44),
+    CollectiveFit("broadcast", 4, 4, 0.002202, 2.042e+09, 0.15),
+    CollectiveFit("reduce_scatter", 2, 2, 0.0033, 1.267e+09, 0.06),
+    CollectiveFit("reduce_scatter", 2, 4, 0.002715, 5.986e+08, 0.25),
+    CollectiveFit("reduce_scatter", 4, 4, 0.006753, 6.057e+08, 0.11),
+    CollectiveFit("send_recv", 2, 2, 0.0, 7.372e+09, 1.00),
+    CollectiveFit("send_recv", 2, 4, 0.0003535, 1.214e+09, 0.91),
+)
 
 PRESETS: dict[str, Hardware] = {
     "h100-sxm-80g": Hardware(
@@ -457,6 +619,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9,
         sources=_hopper_sources(
             "H100", _H100_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H100 80GB HBM3' = 81559 MiB (as printed in public "
@@ -484,6 +647,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9,
         sources=_hopper_sources(
             "H200", _H200_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H200' = 143771 MiB (as printed in public nvidia-smi "
@@ -511,6 +675,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9,
         sources=_ampere_sources(
             "80GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-80GB' = 81920 MiB (as printed in public nvidia-smi logs)",
@@ -534,6 +699,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=1 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9,
         sources=_ampere_sources(
             "40GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-40GB' = 40960 MiB (as printed in public nvidia-smi logs)",
@@ -557,6 +723,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=768 * GiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
+        host_cores=96.0, collective_overlap=1.0, matmul_efficiency=0.7, matmul_knee=128, attention_efficiency=0.5, memory_efficiency=0.9,
         sources={
             "name": "preset for an 8x L4 PCIe node (AWS g6.48xlarge-like)",
             "device_type": "CUDA GPU",
@@ -578,6 +745,13 @@ PRESETS: dict[str, Hardware] = {
             "cpu_adam_params_per_s": ("engineering estimate: g6 hosts are 3rd-gen AMD EPYC; assuming two sockets "
                                       "of 8 DDR4-3200 channels (409.6 GB/s) as in a DGX A100, /8 GPUs = 51.2 GB/s "
                                       f"per GPU; {_ADAM_BYTES}; at {_ADAM_EFF}: 51.2e9 * 0.5 / 28 = 0.914e9 param/s"),
+            "host_cores": f"{_AWS_G6}: 192 vCPU = 96 cores",
+            "collective_overlap": _OVERLAP_GPU,
+            "matmul_efficiency": ("engineering estimate: no published MAMF figure for the 72 W L4, which throttles "
+                                  "under sustained tensor-core load; 0.7 assumed, below the A100's and H100's"),
+            "matmul_knee": _KNEE,
+            "attention_efficiency": "engineering estimate: FlashAttention-2 on Ada parts, 0.5 assumed (A100: 0.6)",
+            "memory_efficiency": _HBM_EFF,
         },
     ),
     "cpu": Hardware(
@@ -585,43 +759,53 @@ PRESETS: dict[str, Hardware] = {
         device_type="cpu",
         memory_bytes=4 * GiB,
         usable_fraction=1.0,
-        bf16_flops=2.08e11,
-        fp32_flops=9.30e10,
-        hbm_bandwidth=4.03e10,
+        bf16_flops=1.30e9,
+        fp32_flops=7.60e10,
+        hbm_bandwidth=2.85e10,
         gpus_per_node=8,
-        intra_node_bandwidth=1.23e9,
-        intra_node_latency=1.38e-4,
-        inter_node_bandwidth=1.23e9,
-        inter_node_latency=1.38e-4,
-        host_memory_bytes=25276502016,
-        host_to_device_bandwidth=1.14e10,
-        cpu_adam_params_per_s=1.44e9,
+        intra_node_bandwidth=1.53e9,
+        intra_node_latency=1.29e-3,
+        inter_node_bandwidth=1.53e9,
+        inter_node_latency=1.29e-3,
+        host_memory_bytes=25275990016,
+        host_to_device_bandwidth=8.15e9,
+        cpu_adam_params_per_s=1.02e9,
+        host_cores=1.47,
+        collective_overlap=0.0,
+        collectives=_CPU_COLLECTIVES,
         sources={
             "name": "preset for plans executed as CPU processes with gloo (tests, a 2-core dev machine)",
             "device_type": "CPU processes, gloo backend",
             "memory_bytes": ("design choice: 4 GiB per process, so that the several processes a plan runs fit "
                              "in the 24 GiB dev machine with room for the OS, the parent and the test runner"),
             "usable_fraction": "design choice: 1.0, as memory_bytes is already a budget, not a device size",
-            "bf16_flops": f"{_CPU_MEASURED}: 1024x1024 bf16 torch.mm, 2*n^3/t = 208 GFLOP/s",
-            "fp32_flops": f"{_CPU_MEASURED}: 1024x1024 fp32 torch.mm, 2*n^3/t = 93.0 GFLOP/s",
+            "bf16_flops": f"{_CPU_MEASURED}: 512^3 bf16 torch.mm, 1 thread, 2n^3/t (this CPU has no fast bf16 path)",
+            "fp32_flops": f"{_CPU_MEASURED}: 1024^3 fp32 torch.mm, 1 thread, 2n^3/t",
             "hbm_bandwidth": (f"{_CPU_MEASURED}: the fused AdamW step below touches 28 bytes per fp32 parameter "
-                              "(read p, g, m, v; write p, m, v): 1.44e9 param/s x 28 B = 40.3 GB/s. Taken from "
-                              "the optimizer rather than from copy_ (22.8 GB/s) so that a step on the 'device' "
-                              "and the same step 'offloaded' to this same CPU cost the same, as they do"),
+                              "(read p, g, m, v; write p, m, v): its rate x 28 B. Taken from the optimizer rather "
+                              "than from copy_ so that a step on the 'device' and the same step 'offloaded' to this "
+                              "same CPU cost the same, as they do"),
             "gpus_per_node": "design choice: up to 8 processes on one machine, all local",
-            "intra_node_bandwidth": (f"{_CPU_MEASURED}: gloo all_reduce of 64 MiB between 2 local processes, "
-                                     "bytes/(t - t_4B) = 1.23 GB/s (for 2 ranks 2(n-1)/n = 1)"),
-            "intra_node_latency": (f"{_CPU_MEASURED}: gloo all_reduce of 4 bytes between 2 local processes = "
-                                   "277 us, / 2(n-1) = 2 ring steps = 138 us per step"),
+            "intra_node_bandwidth": f"{_CPU_MEASURED}: all_reduce over 2 of 2 processes, the fit's bandwidth",
+            "intra_node_latency": f"{_CPU_MEASURED}: all_reduce over 2 of 2 processes, the fit's latency / 2 ring steps",
             "inter_node_bandwidth": ("same as intra_node_bandwidth: every process is on this machine, so a "
                                      f"'node' boundary changes nothing ({_CPU_MEASURED})"),
             "inter_node_latency": ("same as intra_node_latency: every process is on this machine, so a 'node' "
                                    f"boundary changes nothing ({_CPU_MEASURED})"),
-            "host_memory_bytes": f"{_CPU_MEASURED}: MemTotal in /proc/meminfo = 25276502016 bytes (23.5 GiB)",
+            "host_memory_bytes": f"{_CPU_MEASURED}: MemTotal in /proc/meminfo",
             "host_to_device_bandwidth": (f"{_CPU_MEASURED}: on CPU an offload is a host-to-host copy; bytes "
-                                         "moved/t of the 256 MiB copy_ = 11.4 GB/s"),
+                                         "moved / t of a 256 MiB copy_, 1 thread"),
             "cpu_adam_params_per_s": (f"{_CPU_MEASURED}: torch.optim.AdamW(fused=True).step() on 16M fp32 "
-                                      "parameters in 16 tensors = 1.44e9 param/s"),
+                                      "parameters in 16 tensors, 1 thread"),
+            "host_cores": (f"{_CPU_MEASURED}: 4 single-thread processes each ran a 512^3 fp32 matmul at 0.37 of the "
+                           "rate of one alone, so 4 x 0.37 = 1.47 run at full speed at once"),
+            "collective_overlap": (f"{_CPU_MEASURED}: gloo runs FSDP2's collectives on threads that the ranks' own "
+                                   "cores must serve, and the runtime's step breakdown shows FSDP2 waiting on each "
+                                   "one: nothing hides them"),
+            "matmul_efficiency": "not used on CPU: layers are timed where they run (1.0, the peak above is measured)",
+            "matmul_knee": "not used on CPU: layers are timed where they run",
+            "attention_efficiency": "not used on CPU: layers are timed where they run",
+            "memory_efficiency": "not used on CPU: the bandwidth above is measured",
         },
     ),
 }
@@ -664,10 +848,11 @@ def load_cluster_file(path) -> Hardware:
 
     if "hardware" not in doc:
         raise HardwareError(f"{where} has no [hardware] table; put the fields under a [hardware] header.")
-    extra = sorted(k for k in doc if k != "hardware")
+    extra = sorted(k for k in doc if k not in ("hardware", "collectives"))
     if extra:
         raise HardwareError(
-            f"{where} has the unknown top-level key {extra[0]!r}; put every field under the single [hardware] table."
+            f"{where} has the unknown top-level key {extra[0]!r}; put every field under the single [hardware] table "
+            "(and calibrated collectives in [[collectives]] tables)."
         )
     table = doc["hardware"]
     if not isinstance(table, dict):
@@ -700,20 +885,25 @@ def load_cluster_file(path) -> Hardware:
             )
         base = PRESETS[base_name]
         values = {k: getattr(base, k) for k in _FIELD_KINDS}
+        values["collectives"] = base.collectives
         sources = {k: f"preset {base_name}: {base.sources.get(k, 'no source recorded')}" for k in _FIELD_KINDS}
         if "name" not in given:
             given["name"] = f"{base_name}:{p.stem}"
     else:
         if "name" not in table:
             raise HardwareError(f"{where}: [hardware] has no name; give name = \"...\" or base = \"<preset>\".")
-        missing = [k for k in _FIELD_KINDS if k not in given]
+        missing = [k for k in _FIELD_KINDS if k not in given and k not in _OPTIONAL_DEFAULTS]
         if missing:
             raise HardwareError(
                 f"{where}: [hardware] lacks {', '.join(missing)}; give every field or set base = \"<preset>\" "
                 f"(one of {', '.join(PRESETS)}) to start from a preset."
             )
-        values, sources = {}, {}
+        values = dict(_OPTIONAL_DEFAULTS)
+        sources = {k: f"{where}: not given, so the default {v!r} (the datasheet's peak; collectives hidden)"
+                   for k, v in _OPTIONAL_DEFAULTS.items()}
 
+    if "collectives" in doc:
+        values["collectives"] = _collectives_from(doc["collectives"], where)
     for key, value in given.items():
         values[key] = value
         sources[key] = f"{where} ([hardware] {key} = {table[key]!r})" if key in table else f"{where} (named after base)"

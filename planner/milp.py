@@ -425,25 +425,20 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         if limit is not None:             # without a limit the rows are not needed (nor built)
             add_stage_memory_rows(s, seg, stage_in, stage_out)
 
-        # -- time -----------------------------------------------------------------------
-        per_mb_time = pulp.lpSum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg)
-        if last_stage:
-            per_mb_time += loss.compute_s
-        if S > 1:
-            bw, lat = model._link(cand.dp * cand.tp * 2)
-            sent = (stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)
-            per_mb_time += sent * (1 / bw) + 2 * lat
-        prob += tau >= per_mb_time * MS, f"time_s{s}_per_micro_batch"
-        sync_bytes = pulp.lpSum(cost[r, c].dp_sync_bytes * L[r, s, c] for r, c in seg)
-        once = pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg)
-        if cand.dp > 1 and any(cost[k].dp_sync_bytes for k in cost):
-            bw, lat = model._link(cand.dp * cand.tp)
-            sync = sync_bytes * (2 * (cand.dp - 1) / cand.dp / bw) + 2 * (cand.dp - 1) * lat
-            window = pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg) * 0.5
-            prob += exposed[s] >= (sync - window) * MS, f"time_s{s}_exposed_sync"
-            if cand.zero == 1:
-                once += sync_bytes * (1 / bw) + cand.dp * lat
-        prob += omega >= exposed[s] + once * MS, f"time_s{s}_once_per_step"
+        # -- time (CostModel.time_terms, the cost model's own definition) ----------------
+        terms = model.time_terms(
+            cand,
+            layers_s=pulp.lpSum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg),
+            loss_s=loss.compute_s if last_stage else 0.0,
+            sent_bytes=((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0,
+            boundaries=(s > 0) + (not last_stage) if S > 1 else 0,
+            step_s=pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg),
+            sync_s=pulp.lpSum(cost[r, c].sync_s * L[r, s, c] for r, c in seg),
+            compute_s=pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg))
+        prob += tau >= terms.per_micro_batch * MS, f"time_s{s}_per_micro_batch"
+        if any(cost[k].sync_s for k in cost):
+            prob += exposed[s] >= terms.sync_minus_window * MS, f"time_s{s}_exposed_sync"
+        prob += omega >= exposed[s] + terms.step * MS, f"time_s{s}_once_per_step"
 
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and

@@ -178,50 +178,43 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     """No layout of this candidate is faster.
 
     step = (m + pp - 1) * tau + omega, with tau at least every stage's time per micro-batch
-    and omega at least every stage's once-per-step work (optimizer, exposed gradient sync).
+    and omega at least every stage's once-per-step work (CostModel.time_terms: optimizer and
+    broadcasts, plus gradient collectives less what half the backward hides, never below 0).
     Both are at least their average over stages, which is a sum over layers, so
-        step >= sum over layers of min over choices of ((m + pp - 1) * t + once + sync - window) / pp
-    and the same without the sync term (exposed sync is never negative); also tau is at least
-    the slowest layer's time. Each layer's best choice is taken on its own: a lower bound.
+        step >= sum over layers of min over choices of ((m + pp - 1) * t + once + sync - hidden) / pp
+    and the same without the sync term; also tau is at least the fullest stage's time. Each
+    layer's best choice is taken on its own: a lower bound.
     """
     m, pp = cand.num_micro_batches, cand.pp
     runs = runs_of([l.signature for l in model.profile.layers])
+    ov = model.hw.collective_overlap
     with_sync = without_sync = 0.0
-    slowest = 0.0
     fullest_run = 0.0                          # some stage holds ceil(len / pp) layers of each run
     fastest_each: list[float] = []             # every layer's fastest time per micro-batch
-    replicate = cand.fsdp and cand.zero in (0, 1) and cand.dp > 1
-    bw, lat = model._link(cand.dp * cand.tp)
     for start, length in runs:
         best_w = best_wo = best_t = None
         for c in choices:
             lc = model.layer(cand, start, c.checkpoint, c.offload)
             t = lc.micro_batch_s
-            sync = 2 * (cand.dp - 1) / cand.dp * lc.dp_sync_bytes / bw if replicate else 0.0
-            if replicate and cand.zero == 1:
-                sync += lc.dp_sync_bytes / bw
             wo = (m + pp - 1) * t + lc.step_s
-            w = wo + sync - (lc.compute_s / 2 if replicate else 0.0)
+            w = wo + lc.sync_s - ov * 0.5 * lc.compute_s
             best_w = w if best_w is None else min(best_w, w)
             best_wo = wo if best_wo is None else min(best_wo, wo)
             best_t = t if best_t is None else min(best_t, t)
         with_sync += length * best_w
         without_sync += length * best_wo
-        slowest = max(slowest, best_t)
         fullest_run = max(fullest_run, -(-length // pp) * best_t)
         fastest_each += [best_t] * length
     loss = (m + pp - 1) * model.loss(cand).compute_s
-    latency = 2 * (cand.dp - 1) * lat if replicate else 0.0
     # Some stage holds at least ceil(n / pp) layers, so it takes at least as long as that
-    # many of the fastest layers; with pp > 1 it also sends or receives one activation.
+    # many of the fastest layers; with pp > 1 it also exchanges one activation.
     n = len(fastest_each)
     fullest = max(fullest_run, sum(sorted(fastest_each)[: -(-n // pp)]))
     if pp > 1:
-        bw_pp, lat_pp = model._link(cand.dp * cand.tp * 2)
         smallest = min(model.sample(i, cand.micro_batch_size, cand.tp).input_bytes
                        for start, length in runs for i in (start, start + length - 1) if i > 0)
-        fullest += smallest / bw_pp + 2 * lat_pp
-    return max((with_sync + loss) / pp + latency, (without_sync + loss) / pp, (m + pp - 1) * max(slowest, fullest))
+        fullest += model.time_terms(cand, 0.0, 0.0, smallest, 1, 0.0, 0.0, 0.0).per_micro_batch
+    return max((with_sync + loss) / pp, (without_sync + loss) / pp, (m + pp - 1) * fullest)
 
 
 def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:

@@ -52,6 +52,7 @@ class ProfileOptions:
     hardware: str | None = None     # preset for fake-mode times
     warmup: int = 2
     repeats: int = 5
+    threads: int = 1                # intra-op threads to time with: the runtime runs one per process on CPU
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -390,12 +391,49 @@ def _build_context(opts: ProfileOptions):
         torch.set_default_dtype(old)
 
 
+def measure_optimizer_step(layer: nn.Module, opts: ProfileOptions) -> float:
+    """Median seconds of the runtime's fused optimizer step over a copy of the layer's
+    parameters with gradients set (states exist: every step after the first)."""
+    from planner.plan import OptimizerConfig
+    from runtime.sharded_optimizer import build_optimizer
+    params = [nn.Parameter(p.detach().clone()) for p in layer.parameters()]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = build_optimizer(params, OptimizerConfig(name=opts.optimizer))
+    times = []
+    for rep in range(opts.warmup + opts.repeats):
+        t = _Timer(opts.device == "cuda")
+        with t:
+            opt.step()
+        if rep >= opts.warmup:
+            times.append(t.seconds())
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str, int], None] | None = None,
                   roofline: Callable[[int, int], float] | None = None) -> Profile:
-    """Measure every layer of `spec`'s model at each of `opts.batch_sizes`.
+    """Measure every layer of `spec`'s model at each of `opts.batch_sizes`, timing with
+    `opts.threads` intra-op threads (what each rank of the runtime uses).
 
     `on_progress(message, total)` is called before each of `total` units of work.
     """
+    with _threads(opts.threads):
+        return _profile_model(spec, opts, on_progress, roofline)
+
+
+def _profile_model(spec, opts, on_progress, roofline) -> Profile:
     if opts.device == "cuda" and not opts.fake and not torch.cuda.is_available():
         raise mf.ModelFileError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --fake.")
     on_progress = on_progress or (lambda _msg, _total: None)
@@ -442,6 +480,13 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
             with torch.no_grad():
                 mf.run_loss_checked(spec, x, targets)
             loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, roofline)
+        if not opts.fake:
+            steps: dict[str, float] = {}     # the optimizer step depends on the parameter shapes only
+            for i, layer in enumerate(model):
+                key = json.dumps([list(p.shape) for p in layer.parameters()])
+                if key not in steps:
+                    steps[key] = measure_optimizer_step(layer, opts)
+                layers[i].optimizer_step_s = steps[key]
     for layer in layers:
         layer.signature = signature(layer)
     share_times_of_identical_layers(layers)
@@ -461,7 +506,7 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
         method="fake" if opts.fake else "measured", hardware=opts.hardware, precision=opts.precision,
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
-        seq_len=spec.seq_len, tp_divides=list(spec.tp_divides),
+        seq_len=spec.seq_len, tp_divides=list(spec.tp_divides), threads=opts.threads,
     )
 
 

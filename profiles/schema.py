@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: layers timed with the runtime's threads per process; optimizer steps measured
 TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16", "mixed")
@@ -142,6 +142,7 @@ class LayerProfile(Sampled):
     grad_bytes: int = 0
     optimizer_state_bytes: int = 0
     tp_param_bytes: int = 0    # part of param_bytes that the tp_plan shards
+    optimizer_step_s: float = 0.0  # measured optimizer step of all the layer's parameters (0: not measured, fake)
     params: list[ParamInfo] = field(default_factory=list)
     tp_samples: dict[int, LayerSample] = field(default_factory=dict)
 
@@ -189,6 +190,7 @@ class Profile:
     batch: dict                 # per-sample bytes of inputs and targets: {"input_bytes": Fit-like, ...}
     seq_len: int | None = None
     tp_divides: list[int] = field(default_factory=list)   # numbers a tensor-parallel degree must divide (head counts)
+    threads: int = 1            # intra-op threads the layers were timed with (the runtime's per process on CPU)
     schema: int = SCHEMA_VERSION
     kind: str = "profile"
 
@@ -224,7 +226,7 @@ class Profile:
                        precision=str(d["precision"]), optimizer=str(d["optimizer"]),
                        batch_sizes=[int(b) for b in d["batch_sizes"]], layers=layers, loss=loss,
                        batch=dict(d["batch"]), seq_len=d.get("seq_len"),
-                       tp_divides=[int(n) for n in d.get("tp_divides", [])])
+                       tp_divides=[int(n) for n in d.get("tp_divides", [])], threads=int(d["threads"]))
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -241,6 +243,8 @@ class Profile:
             bad(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not self.layers:
             bad("it has no layers")
+        if self.threads < 1:
+            bad(f"threads is {self.threads}, not a positive count")
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
             bad("its batch sizes are not positive")
         for layer in self.layers:
@@ -248,6 +252,8 @@ class Profile:
                 v = getattr(layer, name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     bad(f"layer {layer.index} has {name} = {v!r}, not a non-negative integer")
+            if not math.isfinite(layer.optimizer_step_s) or layer.optimizer_step_s < 0:
+                bad(f"layer {layer.index} has optimizer_step_s = {layer.optimizer_step_s!r}, not a non-negative number")
             if sorted(layer.samples) != sorted(self.batch_sizes):
                 bad(f"layer {layer.index} was measured at {sorted(layer.samples)}, not at the profile's batch sizes {self.batch_sizes}")
             for b, s in layer.samples.items():
@@ -278,7 +284,8 @@ def _layer_from_json(d: dict) -> LayerProfile:
         index=d["index"], name=d["name"], kind=d["kind"], signature=d["signature"],
         param_count=d["param_count"], param_bytes=d["param_bytes"], compute_param_bytes=d["compute_param_bytes"],
         buffer_bytes=d["buffer_bytes"], grad_bytes=d["grad_bytes"], optimizer_state_bytes=d["optimizer_state_bytes"],
-        tp_param_bytes=d["tp_param_bytes"], params=[ParamInfo(**p) for p in d["params"]],
+        tp_param_bytes=d["tp_param_bytes"], optimizer_step_s=float(d["optimizer_step_s"]),
+        params=[ParamInfo(**p) for p in d["params"]],
         tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
     )
     return _sampled_from_json(layer, d)
@@ -307,13 +314,17 @@ def load_profile(path: str | Path) -> Profile:
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write JSON so that a failure leaves either the old file or none, never half a file."""
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write text so that a failure leaves either the old file or none, never half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -135,7 +135,9 @@ def test_pipeline_bubble_is_p_minus_1_over_m(pp, m):
     model = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
     cand = Candidate(1, 1, pp, 1, m, 0, "1f1b", False, False)
     pred = model.evaluate(cand, [[(2 * s, False, False), (2 * s + 1, False, False)] for s in range(pp)])
-    assert pred.components["bubble"] / pred.components["compute"] == pytest.approx((pp - 1) / m, rel=1e-3)
+    ideal = m * max(s.micro_batch_s for s in pred.stages)
+    assert pred.components["bubble"] / ideal == pytest.approx((pp - 1) / m, rel=1e-3)
+    assert sum(v for k, v in pred.components.items() if k != "total") == pytest.approx(pred.step_s, rel=1e-9)
 
 
 def test_zero_paper_model_states():

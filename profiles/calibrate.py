@@ -1,0 +1,399 @@
+"""`plan calibrate`: measure this machine's collectives and rates, write a cluster file.
+
+The planner's step time is only as good as the figures of the hardware it costs. A preset's
+figures are a datasheet's; this measures them where the plan will run, the way a rank sees
+them:
+
+- collectives (all-reduce, all-gather, reduce-scatter, broadcast, send/receive) against
+  message size, for every group size that divides the process count, with every process
+  busy at once (groups side by side, as under a plan), each timed as in a step: what it adds
+  to a slice of compute before it, by the slowest rank;
+  each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
+- on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
+  the cores run at full speed at once (`host_cores`, from the same matmul run in every
+  process together);
+- on a GPU: bf16 / fp32 matmul FLOP/s over a sweep of shapes, fitted as the best share of the
+  peak and a per-dimension knee (`Hardware.matmul_flops`), and the achievable copy bandwidth.
+
+The result is a `Hardware` (a preset as base, the measured fields replaced, each with its
+source) written as a TOML cluster file that `plan solve --cluster` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+from planner.hardware import PRESETS, CollectiveFit, Hardware
+
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 23)   # bytes of the whole tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Fits
+# ---------------------------------------------------------------------------------------------
+
+def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float, float]:
+    """(latency, bandwidth, worst relative residual) of t = latency + size / bandwidth.
+
+    Least squares on the relative error (weights 1/t^2), so that the small messages that fix
+    the latency count as much as the large ones that fix the bandwidth; the latency is kept
+    non-negative and the bandwidth positive.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("a fit needs at least two (size, time) points")
+    w = [1.0 / max(t, 1e-12) ** 2 for t in seconds]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * y for wi, y in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    latency = (sy - slope * sx) / sw
+    if latency < 0:                       # through the origin instead
+        latency, slope = 0.0, sxy / sxx
+    slope = max(slope, 1e-18)
+    residual = max(abs(latency + x * slope - y) / y for x, y in zip(sizes, seconds))
+    return latency, 1.0 / slope, residual
+
+
+def fit_matmul(points: list[tuple[int, int, int, float]], peak: float) -> tuple[float, int, float]:
+    """(efficiency, knee, worst relative residual) of FLOP/s(m, n, k) = peak * efficiency *
+    prod(d / (d + knee)) over measured (m, n, k, FLOP/s) points; the knee by a search over
+    powers of two and halves between, the efficiency then by least squares."""
+    best = None
+    for knee in sorted({1} | {int(2 ** (e / 2)) for e in range(2, 25)}):
+        shape = [math.prod(d / (d + knee) for d in (m, n, k)) if knee > 1 else 1.0 for m, n, k, _ in points]
+        rates = [r for *_, r in points]
+        eff = sum(s * r for s, r in zip(shape, rates)) / (peak * sum(s * s for s in shape))
+        res = max(abs(peak * eff * s - r) / r for s, r in zip(shape, rates))
+        if best is None or res < best[2]:
+            best = (min(eff, 1.0), knee, res)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives, in N processes
+# ---------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_in_step(op: Callable[[], None] | None, compute: Callable[[], None], world_barrier: Callable[[], None],
+                  repeats: int, rounds: int = 4) -> float:
+    """Median seconds of `rounds` x (a slice of compute, then op), per round, every rank at once:
+    a collective costs inside a step what it adds to the compute around it (on CPU processes
+    its threads contend with the ranks' own compute, and ranks arrive at it unevenly)."""
+    def body():
+        for _ in range(rounds):
+            compute()
+            if op is not None:
+                op()
+    body()
+    times = []
+    for _ in range(repeats):
+        world_barrier()
+        t0 = time.perf_counter()
+        body()
+        times.append((time.perf_counter() - t0) / rounds)
+    return statistics.median(times)
+
+
+def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tuple[int, ...], repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        dev = torch.device("cuda", rank)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dev = torch.device("cpu")
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def barrier():
+        sync()
+        dist.barrier()
+
+    a = torch.randn(256, 256, device=dev)
+    b = torch.randn(256, 256, device=dev)
+
+    def compute():                      # about a millisecond of one CPU thread: a layer's slice
+        for _ in range(8 if device == "cpu" else 200):
+            torch.mm(a, b)
+        sync()
+
+    rows = []
+    for g in [d for d in range(2, world + 1) if world % d == 0]:
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
+        mine = groups[rank // g]
+        me = rank % g
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"):
+            if kind == "send_recv" and g != 2:
+                continue
+            for nbytes in sizes:
+                n = nbytes // 4
+                whole = torch.ones(n, device=dev)
+                part = torch.ones(n // g, device=dev)
+                if kind == "all_reduce":
+                    fn = lambda: dist.all_reduce(whole, group=mine)                           # noqa: E731
+                elif kind == "all_gather":
+                    fn = lambda: dist.all_gather_into_tensor(whole, part, group=mine)          # noqa: E731
+                elif kind == "reduce_scatter":
+                    fn = lambda: dist.reduce_scatter_tensor(part, whole, group=mine)           # noqa: E731
+                elif kind == "broadcast":
+                    fn = lambda: dist.broadcast(whole, group=mine, group_src=0)                # noqa: E731
+                elif me == 0:
+                    fn = lambda: dist.send(whole, group=mine, group_dst=1)                     # noqa: E731
+                else:
+                    fn = lambda: dist.recv(whole, group=mine, group_src=0)                     # noqa: E731
+
+                def op(fn=fn):
+                    fn()
+                    sync()
+
+                both = _time_in_step(op, compute, barrier, repeats)
+                alone = _time_in_step(None, compute, barrier, repeats)
+                t = torch.tensor([both, alone], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)            # the slowest rank's view is the cost
+                rows.append({"kind": kind, "group": g, "processes": world, "bytes": nbytes,
+                             "seconds": max(t[0].item() - t[1].item(), 1e-7)})
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_collectives(processes: int, device: str = "cpu", sizes: tuple[int, ...] = SIZES, repeats: int = 7) -> list[dict]:
+    """One row per (kind, group size, message bytes): the slowest rank's median seconds."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_collectives_worker, args=(processes, _free_port(), device, sizes, repeats, queue), nprocs=processes, join=True)
+    return queue.get()
+
+
+def fit_collectives(rows: list[dict]) -> list[CollectiveFit]:
+    keys = sorted({(r["kind"], r["group"], r["processes"]) for r in rows})
+    fits = []
+    for kind, group, procs in keys:
+        pts = sorted((r["bytes"], r["seconds"]) for r in rows if (r["kind"], r["group"], r["processes"]) == (kind, group, procs))
+        lat, bw, res = fit_latency_bandwidth([p[0] for p in pts], [p[1] for p in pts])
+        fits.append(CollectiveFit(kind, group, procs, lat, bw, res))
+    return fits
+
+
+# ---------------------------------------------------------------------------------------------
+# Rates
+# ---------------------------------------------------------------------------------------------
+
+def median_time(fn: Callable[[], None], repeats: int, warmup: int = 2, sync: Callable[[], None] = lambda: None) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_flops(dtype, m: int, n: int, k: int, device: str = "cpu", repeats: int = 10) -> float:
+    import torch
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return 2.0 * m * n * k / median_time(lambda: torch.mm(a, b, out=out), repeats, sync=sync)
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, device: str = "cpu", repeats: int = 10) -> float:
+    """(bytes read + bytes written) / t of dst.copy_(src): what a roofline's memory term counts."""
+    import torch
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return 2.0 * nbytes / median_time(lambda: dst.copy_(src), repeats, sync=sync)
+
+
+def adamw_params_per_s(total: int = 16 * 2**20, tensors: int = 16, repeats: int = 5) -> float:
+    import torch
+    params = [torch.nn.Parameter(torch.randn(total // tensors)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    return total / median_time(opt.step, repeats)
+
+
+def _matmul_worker(rank: int, n: int, repeats: int, queue) -> None:
+    import torch
+    torch.set_num_threads(1)
+    queue.put(matmul_flops(torch.float32, n, n, n, repeats=repeats))
+
+
+def effective_cores(processes: int, n: int = 512, repeats: int = 20) -> tuple[float, float, float]:
+    """How many single-thread processes run at full speed at once: processes x (the matmul rate
+    each gets when all run together) / (the rate one gets alone). Returns (cores, alone, together)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = matmul_flops(torch.float32, n, n, n, repeats=repeats)
+    finally:
+        torch.set_num_threads(threads)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_matmul_worker, args=(n, repeats, queue), nprocs=processes, join=True)
+    together = statistics.median(queue.get() for _ in range(processes))
+    cores = min(float(os.cpu_count() or 1), processes * together / alone)
+    return cores, alone, together
+
+
+def host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole calibration
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    hardware: Hardware
+    collective_rows: list       # the raw timings behind hardware.collectives
+    notes: list                 # what was measured, one line each
+
+
+def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: str | None = None,
+              on_progress: Callable[[str], None] = lambda _msg: None) -> Calibration:
+    """Measure this machine and return the hardware it describes (see the module docstring)."""
+    import torch
+
+    base_name = base or ("cpu" if device == "cpu" else "h100-sxm-80g")
+    hw = PRESETS[base_name]
+    today = date.today().isoformat()
+    counts = ",".join(map(str, processes))
+    where = (f"measured by `plan calibrate --device {device} --processes {counts}` on {today} "
+             f"({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__.split('+')[0]}")
+    fields: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+
+    def put(name: str, value, how: str) -> None:
+        fields[name] = value
+        sources[name] = f"{where}): {how}"
+
+    if device == "cpu":
+        on_progress("single-thread rates")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            put("fp32_flops", matmul_flops(torch.float32, 1024, 1024, 1024), "1024^3 fp32 torch.mm, 1 thread, 2n^3/t")
+            put("bf16_flops", matmul_flops(torch.bfloat16, 512, 512, 512, repeats=3), "512^3 bf16 torch.mm, 1 thread, 2n^3/t")
+            adam = adamw_params_per_s()
+            put("cpu_adam_params_per_s", adam, "fused torch.optim.AdamW step on 16M fp32 parameters in 16 tensors, 1 thread")
+            # A step on the "device" and the same step "offloaded" to this same CPU cost the same.
+            put("hbm_bandwidth", adam * 28, "the fused AdamW rate x the 28 bytes it moves per fp32 parameter")
+            put("host_to_device_bandwidth", copy_bandwidth() / 2, "bytes moved / t of a 256 MiB copy_, 1 thread")
+        finally:
+            torch.set_num_threads(threads)
+        put("host_memory_bytes", host_memory_bytes(), "MemTotal in /proc/meminfo")
+        most = max(processes)
+        on_progress(f"matmul in {most} processes at once")
+        cores, alone, together = effective_cores(most)
+        put("host_cores", cores, f"{most} processes x their matmul rate together ({together / 1e9:.1f} GFLOP/s each) "
+                                  f"/ one alone ({alone / 1e9:.1f} GFLOP/s)")
+        put("collective_overlap", 0.0, "gloo runs FSDP2's collectives on threads that the ranks' own cores must serve, "
+                                       "and the step's time breakdown (run.json) shows FSDP2 waiting on each one")
+        notes.append(f"{cores:.2f} processes at a time run at full speed ({most} together: {together / alone:.2f} of one alone)")
+    else:
+        on_progress("matmul sweep")
+        points = []
+        for d in (256, 512, 1024, 2048, 4096, 8192):
+            points.append((d, d, d, matmul_flops(torch.bfloat16, d, d, d, device="cuda", repeats=20)))
+        for m, n, k in ((16384, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 1024, 8192)):
+            points.append((m, n, k, matmul_flops(torch.bfloat16, m, n, k, device="cuda", repeats=20)))
+        eff, knee, res = fit_matmul(points, hw.bf16_flops)
+        shown = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for m, n, k, r in points)
+        put("matmul_efficiency", eff, f"bf16 torch.mm sweep, TFLOP/s {shown}; fitted with the knee below, worst miss {100 * res:.1f}%")
+        put("matmul_knee", knee, "the same fit")
+        put("memory_efficiency", min(1.0, copy_bandwidth(1 << 30, device="cuda") / hw.hbm_bandwidth),
+            "(read + written bytes) / t of a 1 GiB copy_ over the base's hbm_bandwidth")
+        notes.append(f"best matmul {max(r for *_, r in points) / 1e12:.0f} TFLOP/s bf16 "
+                     f"({100 * max(r for *_, r in points) / hw.bf16_flops:.0f}% of the datasheet's dense peak)")
+
+    rows = []
+    for count in processes:
+        on_progress(f"collectives in {count} processes")
+        rows += measure_collectives(count, device)
+    fits = fit_collectives(rows)
+    for f in fits:
+        notes.append(f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s "
+                     f"(worst miss {100 * f.max_residual:.0f}%)")
+    two = min((f for f in fits if f.kind == "all_reduce" and f.group == 2), key=lambda f: f.processes, default=None)
+    if two is not None:
+        # The link figures stay the fallback for groups that were not measured.
+        put("intra_node_latency", two.latency_s / 2, "all_reduce over 2 ranks' fitted latency / its 2 ring steps")
+        put("intra_node_bandwidth", two.bandwidth, "all_reduce over 2 ranks' fitted bandwidth (2(n-1)/n = 1)")
+    values = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)}
+    values.update(fields)
+    values["name"] = f"{base_name}-calibrated"
+    values["collectives"] = tuple(fits)
+    all_sources = {k: f"preset {base_name}: {v}" for k, v in hw.sources.items()}
+    all_sources.update(sources)
+    all_sources["name"] = f"{where}), from preset {base_name}"
+    values["sources"] = all_sources
+    return Calibration(Hardware(**values), rows, notes)
+
+
+def cluster_file_text(cal: Calibration, base: str) -> str:
+    """The calibrated hardware as a TOML cluster file: the preset as base, each measured field
+    with its source as a comment, the collectives as [[collectives]] tables."""
+    hw = cal.hardware
+    base_hw = PRESETS[base]
+    lines = [f"# Written by `plan calibrate` on {date.today().isoformat()}; read by `plan solve --cluster FILE`.",
+             "[hardware]", f'base = "{base}"', f'name = "{hw.name}"']
+    for f in dataclasses.fields(hw):
+        if f.name in ("name", "sources", "collectives", "device_type"):
+            continue
+        value = getattr(hw, f.name)
+        if value != getattr(base_hw, f.name):
+            lines.append(f"# {hw.sources.get(f.name, '')}")
+            lines.append(f"{f.name} = {value!r}")
+    for c in hw.collectives:
+        lines += ["", "[[collectives]]"] + [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'
+                                            for k, v in dataclasses.asdict(c).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster_file(cal: Calibration, base: str, path: str | Path) -> None:
+    from .schema import write_text_atomic
+    write_text_atomic(path, cluster_file_text(cal, base))
