@@ -61,7 +61,7 @@ def profile(
     optimizer: str = typer.Option("adamw", help="sgd | momentum | adam | adamw."),
     precision: str = typer.Option("fp32", help="fp32 | bf16 | mixed (bf16 compute, fp32 master weights, gradients and states)."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
-    fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's roofline."),
+    fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's achievable rates."),
     hardware: Optional[str] = typer.Option(None, help="Hardware preset for --fake times (see `plan hardware`)."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
@@ -71,7 +71,7 @@ def profile(
     try:
         from profiles.measure import ProfileOptions, profile_model
         from profiles.model_file import load_model_file
-        from planner.hardware import get_hardware, roofline_seconds
+        from planner.hardware import get_hardware
         from profiles.schema import OPTIMIZERS, PRECISIONS
 
         if optimizer not in OPTIMIZERS:
@@ -88,12 +88,12 @@ def profile(
             fail(f"--batch-sizes {batch_sizes!r} must list positive integers, e.g. 1,2,4.")
         if repeats < 1:
             fail(f"--repeats is {repeats}; give 1 or more.")
-        roofline = None
+        op_seconds = None
         if fake:
             if not hardware:
                 fail("--fake needs --hardware PRESET for its times (see `plan hardware`).")
             hw = get_hardware(hardware)
-            roofline = lambda flops, io: roofline_seconds(hw, flops, io, precision)  # noqa: E731
+            op_seconds = lambda kind, flops, io, mnk: hw.op_seconds(precision, kind, flops, io, mnk)  # noqa: E731
         elif hardware:
             get_hardware(hardware)
 
@@ -109,7 +109,7 @@ def profile(
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("profiling", total=None)
-            prof = profile_model(spec, opts, roofline=roofline,
+            prof = profile_model(spec, opts, op_seconds=op_seconds,
                                  on_progress=lambda msg, total: bar.update(task, advance=1, total=total, description=msg))
         prof.save(output)
         if csv:
@@ -438,11 +438,12 @@ def verify(
 ):
     """Predicted vs measured peak memory and step time, per stage; non-zero exit past --tolerance."""
     from planner.plan import load_plan
-    from planner.verify import VerifyError, compare, load_run
+    from planner.verify import VerifyError, compare, compare_time, load_run
     try:
         plan = load_plan(plan_path)
         run_doc = load_run(run_path)
         rows, step = compare(plan, plan_path, run_doc)
+        time_rows, time_rank = compare_time(plan, run_doc)
     except expected_errors() + (VerifyError,) as e:
         fail(str(e))
     t = Table(title=f"predicted vs measured: {plan_path} / {run_path}")
@@ -455,8 +456,16 @@ def verify(
         t.add_row(str(r.stage), ",".join(str(x) for x in r.ranks), mib(r.predicted), mib(r.measured),
                   f"[{colour}]{r.error_pct:+.2f}%[/]")
     out.print(t)
-    out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%; "
-              f"time is indicative on CPU processes)")
+    out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
+    if time_rows:
+        t = Table(title=f"step time by component (ms): predicted vs rank {time_rank}'s profiled step")
+        for col in ("component", "predicted", "measured"):
+            t.add_column(col, justify="left" if col == "component" else "right")
+        for r in time_rows:
+            t.add_row(r.component, f"{r.predicted * 1e3:.1f}", f"{r.measured * 1e3:.1f}")
+        out.print(t)
+        if plan.device_type == "cpu":
+            out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
     if worst > tolerance:
         err.print(f"[bold red]memory error {worst:.2f}% exceeds --tolerance {tolerance}%[/]")
         raise typer.Exit(1)

@@ -169,9 +169,9 @@ class CostModel:
     def _times(self, s: LayerSample) -> tuple[float, float]:
         if self.measured_here:
             return s.fwd_s, s.bwd_s
-        peak = self.hw.flops(self.precision)
-        bw = self.hw.hbm_bandwidth
-        return s.fwd_flops / peak + s.fwd_io_bytes / bw, s.bwd_flops / peak + s.bwd_io_bytes / bw
+        # Measured elsewhere: the totals at this hardware's best achievable rates.
+        hw, p = self.hw, self.precision
+        return (hw.op_seconds(p, "other", s.fwd_flops, s.fwd_io_bytes), hw.op_seconds(p, "other", s.bwd_flops, s.bwd_io_bytes))
 
     def _link(self, group_span: int) -> tuple[float, float]:
         """Bandwidth and latency for a group whose ranks span `group_span` consecutive ranks."""
@@ -315,10 +315,12 @@ class CostModel:
 
     def compute_scale(self, cand: Candidate) -> float:
         """How much slower compute runs than it was measured: CPU processes beyond the cores
-        that run at full speed at once share them (the profile times one process alone)."""
+        that run at full speed at once share them (the profile times one process alone). A
+        pipeline keeps its ranks busy m / (m + pp - 1) of the step, so fewer compete at once."""
         if self.hw.device_type != "cpu":
             return 1.0
-        busy = min(cand.world_size, self.gpus_per_node)
+        m, pp = cand.num_micro_batches, cand.pp
+        busy = min(cand.world_size, self.gpus_per_node) * m / (m + pp - 1)
         return max(1.0, busy / self.hw.host_cores)
 
     def collective_terms(self, kind: str, group: int, cand: Candidate) -> tuple[float, float]:

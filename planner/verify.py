@@ -35,6 +35,31 @@ def load_run(path: str | Path) -> dict:
     return doc
 
 
+@dataclass
+class TimeRow:
+    component: str        # compute | tp_comm | dp_comm | p2p (with the bubble) | optimizer | other
+    predicted: float      # seconds per step
+    measured: float       # seconds in the profiled step of the slowest rank
+
+
+def compare_time(plan: Plan, run: dict) -> tuple[list[TimeRow], int | None]:
+    """Predicted vs measured step time by component, for the rank with the slowest median
+    step (its profiled step), and that rank; no rows when the run has no breakdown."""
+    try:
+        ranks = [r for r in run["ranks"] if r.get("breakdown_s")]
+        if not ranks:
+            return [], None
+        slowest = max(ranks, key=lambda r: r["median_step_s"])
+        pred = dict(plan.predicted.get("components_s", {}))
+        pred["p2p"] = pred.get("p2p", 0.0) + pred.pop("bubble", 0.0)
+        pred["dp_comm"] = pred.get("dp_comm", 0.0) + pred.pop("offload", 0.0)
+        rows = [TimeRow(k, float(pred.get(k, 0.0)), float(slowest["breakdown_s"].get(k, 0.0)))
+                for k in ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
+    return rows, slowest["rank"]
+
+
 def compare(plan: Plan, plan_path: str | Path, run: dict) -> tuple[list[StageRow], tuple[float, float]]:
     """Rows per pipeline rank, and (predicted, measured) step seconds."""
     sha = hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()

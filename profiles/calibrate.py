@@ -7,7 +7,8 @@ them:
 - collectives (all-reduce, all-gather, reduce-scatter, broadcast, send/receive) against
   message size, for every group size that divides the process count, with every process
   busy at once (groups side by side, as under a plan), each timed as in a step: what it adds
-  to a slice of compute before it, by the slowest rank;
+  to a slice of compute before it (broadcasts, which ZeRO-1 issues back to back after the
+  optimizer step, back to back), by the slowest rank;
   each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
 - on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
   the cores run at full speed at once (`host_cores`, from the same matmul run in every
@@ -171,8 +172,11 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                     fn()
                     sync()
 
-                both = _time_in_step(op, compute, barrier, repeats)
-                alone = _time_in_step(None, compute, barrier, repeats)
+                # Broadcasts (ZeRO-1's, after the optimizer step) run back to back, the others
+                # between slices of a layer's compute.
+                work = (lambda: None) if kind == "broadcast" else compute
+                both = _time_in_step(op, work, barrier, repeats)
+                alone = _time_in_step(None, work, barrier, repeats)
                 t = torch.tensor([both, alone], dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)            # the slowest rank's view is the cost
                 rows.append({"kind": kind, "group": g, "processes": world, "bytes": nbytes,

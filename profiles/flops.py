@@ -2,10 +2,11 @@
 
 `OpCost` is a dispatch mode that adds up, for every op, its FLOPs (PyTorch's own
 `FlopCounterMode` formulas) or, for ops without a formula (elementwise, norms, softmax,
-copies), the bytes they read and write. The roofline time of a piece of work is then
-`flops / peak_flops + io_bytes / memory_bandwidth`: matmul-like ops are compute bound,
-the rest memory bound. That is how fake-mode profiles get times, and how the planner moves
-times measured on one device to another.
+copies), the bytes they read and write. Given `op_seconds` (a hardware's achievable rates,
+`Hardware.op_seconds`), it also adds up each op's time on its own: a matmul's FLOPs at the
+rate its (m, n, k) shape reaches, attention's at the fused kernels' rate, the other ops'
+bytes at the achievable memory bandwidth. That is how fake-mode profiles get times; the
+planner moves times measured on one device to another with the totals.
 
 PyTorch's counter has no formula for the CPU flash-attention kernels; they are registered
 here with the same formulas it uses for the CUDA ones.
@@ -66,15 +67,34 @@ def _tensor_bytes(tensors) -> int:
 _ALL_REDUCE = {torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce_}
 
 
-class OpCost(TorchDispatchMode):
-    """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and all-reduce traffic."""
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 
-    def __init__(self) -> None:
+
+def matmul_shape(packet, args) -> tuple[int, int, int] | None:
+    """(m, n, k) of a matmul op's arguments, batches folded into m."""
+    try:
+        if packet in (aten.mm, aten.bmm):
+            a, b = args[0], args[1]
+        else:                                   # addmm / baddbmm: (input, a, b)
+            a, b = args[1], args[2]
+        m = a.numel() // a.shape[-1]
+        return int(m), int(b.shape[-1]), int(a.shape[-1])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+class OpCost(TorchDispatchMode):
+    """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and all-reduce traffic; with
+    `op_seconds(kind, flops, io_bytes, mnk)`, also each op's achievable time (`seconds`)."""
+
+    def __init__(self, op_seconds=None) -> None:
         super().__init__()
         self.flops = 0
         self.io_bytes = 0
         self.all_reduce_bytes = 0
         self.all_reduce_count = 0
+        self.op_seconds = op_seconds
+        self.seconds = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let DTensor lower itself first, so that the local (sharded) ops are what is counted.
@@ -87,10 +107,17 @@ class OpCost(TorchDispatchMode):
             self.all_reduce_bytes += _tensor_bytes([args[0]])
             self.all_reduce_count += 1
         elif packet in flop_registry:
-            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            self.flops += flops
+            if self.op_seconds is not None:
+                kind = "attention" if "attention" in packet.__name__ else "matmul"
+                self.seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
         elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
             outs, _ = tree_flatten(out)
             if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
                 ins, _ = tree_flatten((args, kwargs))
-                self.io_bytes += _tensor_bytes(ins) + _tensor_bytes(outs)
+                io = _tensor_bytes(ins) + _tensor_bytes(outs)
+                self.io_bytes += io
+                if self.op_seconds is not None:
+                    self.seconds += self.op_seconds("memory", 0, io, None)
         return out

@@ -14,7 +14,7 @@ from `make_batch`, in the dtype and on the device it will train on:
      warm-up, with CUDA events on a GPU.
 
 In fake mode (FakeTensorMode) nothing is allocated; memory and FLOPs are exact and times come
-from the roofline of a hardware preset.
+from a hardware preset's achievable rates, op by op (`Hardware.op_seconds`).
 """
 
 from __future__ import annotations
@@ -182,12 +182,13 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
     return fig
 
 
-def measure_cost(fn: Callable, x: torch.Tensor) -> tuple[OpCost, OpCost]:
-    """FLOPs, memory traffic and all-reduce traffic of fn's forward and of its backward."""
+def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None) -> tuple[OpCost, OpCost]:
+    """FLOPs, memory traffic and all-reduce traffic of fn's forward and of its backward (and
+    their achievable times, given `op_seconds`)."""
     x_in = _fresh_input(x)
-    with OpCost() as fwd:
+    with OpCost(op_seconds) as fwd:
         out = fn(x_in)
-    bwd = OpCost()
+    bwd = OpCost(op_seconds)
     if out.requires_grad:
         grad = torch.ones_like(out)
         with bwd:
@@ -243,7 +244,7 @@ class _Timer:
         return self.t
 
 
-def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofline, timed: bool = True) -> LayerSample:
+def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_seconds, timed: bool = True) -> LayerSample:
     """All size-dependent figures of one layer at the micro-batch size of x."""
     def ckpt(inp):
         return checkpoint(layer, inp, use_reentrant=False)
@@ -252,9 +253,9 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofl
     # caches (DTensor's sharding propagation, kernels) that would look like activations.
     plain = [measure_memory(layer, layer, x) for _ in range(2)][-1]
     ck = [measure_memory(ckpt, layer, x) for _ in range(2)][-1]
-    fwd, bwd = measure_cost(layer, x)
+    fwd, bwd = measure_cost(layer, x, op_seconds)
     if opts.fake or not timed:
-        fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
+        fwd_s, bwd_s = fwd.seconds, bwd.seconds
     else:
         fwd_s, bwd_s = measure_time(layer, layer, x, opts)
     return LayerSample(
@@ -271,7 +272,7 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, roofl
     )
 
 
-def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor, opts, roofline) -> LayerSample:
+def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor, opts, op_seconds) -> LayerSample:
     """The loss as one more layer without parameters; its input is the model's output."""
     empty = nn.Module()
 
@@ -279,9 +280,9 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
         return loss_fn(out, targets)
 
     m = [measure_memory(fn, empty, output, extra=(targets,)) for _ in range(2)][-1]
-    fwd, bwd = measure_cost(fn, output)
+    fwd, bwd = measure_cost(fn, output, op_seconds)
     if opts.fake:
-        fwd_s, bwd_s = roofline(fwd.flops, fwd.io_bytes), roofline(bwd.flops, bwd.io_bytes)
+        fwd_s, bwd_s = fwd.seconds, bwd.seconds
     else:
         fwd_s, bwd_s = measure_time(fn, empty, output, opts)
     return LayerSample(
@@ -423,21 +424,23 @@ def _threads(n: int):
 
 
 def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callable[[str, int], None] | None = None,
-                  roofline: Callable[[int, int], float] | None = None) -> Profile:
+                  op_seconds: Callable | None = None) -> Profile:
     """Measure every layer of `spec`'s model at each of `opts.batch_sizes`, timing with
     `opts.threads` intra-op threads (what each rank of the runtime uses).
 
-    `on_progress(message, total)` is called before each of `total` units of work.
+    `on_progress(message, total)` is called before each of `total` units of work. In fake
+    mode the times are `op_seconds(kind, flops, io_bytes, (m, n, k) | None)` summed over the
+    ops (`Hardware.op_seconds`: achievable rates, not peaks).
     """
     with _threads(opts.threads):
-        return _profile_model(spec, opts, on_progress, roofline)
+        return _profile_model(spec, opts, on_progress, op_seconds)
 
 
-def _profile_model(spec, opts, on_progress, roofline) -> Profile:
+def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
     if opts.device == "cuda" and not opts.fake and not torch.cuda.is_available():
         raise mf.ModelFileError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --fake.")
     on_progress = on_progress or (lambda _msg, _total: None)
-    roofline = roofline or (lambda flops, io: 0.0)
+    op_seconds = op_seconds or (lambda kind, flops, io, mnk: 0.0)
     torch.manual_seed(0)
     with _tp_context(spec, opts) as tp_mesh, _build_context(opts):  # the mesh must be real, built first
         model = mf.build_checked_model(spec)
@@ -470,16 +473,16 @@ def _profile_model(spec, opts, on_progress, roofline) -> Profile:
                         layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = measure_time(layer, layer, x, opts)
                 else:
                     seen[key] = i
-                    layers[i].samples[b] = measure_layer(layer, x, opts, roofline)
+                    layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)
                     if tp_mesh is not None and tp_matches[i]:
                         split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
-                        layers[i].tp_samples[b] = measure_layer(split, x, opts, roofline)
+                        layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split
                 x = nxt
             on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():
                 mf.run_loss_checked(spec, x, targets)
-            loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, roofline)
+            loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, op_seconds)
         if not opts.fake:
             steps: dict[str, float] = {}     # the optimizer step depends on the parameter shapes only
             for i, layer in enumerate(model):

@@ -42,7 +42,8 @@ class RunError(Exception):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (under torchrun).")
     p.add_argument("plan", help="plan.json written by `plan solve`")
-    p.add_argument("--steps", type=int, default=5, help="training steps; step 1 warms up, step 2 measures memory, 3.. time")
+    p.add_argument("--steps", type=int, default=6, help="training steps; step 1 warms up, step 2 measures memory, "
+                   "3..S-1 time, and (S >= 4) step S runs under the profiler for the time breakdown")
     p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
     args = p.parse_args(argv)
     if args.steps < 1:

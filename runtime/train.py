@@ -2,7 +2,9 @@
 
 Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
-alive that the step uses. Step time is the median wall time of steps 3..S.
+alive that the step uses. Step time is the median wall time of steps 3..S-1; with S >= 4 the
+last step runs under torch.profiler and gives the step's time by component (breakdown.py),
+so it is left out of the median.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from planner.plan import Plan, Stage
 from profiles.live_memory import LiveMemory
 from profiles.model_file import ModelSpec, build_checked_model, call_make_batch
 
+from .breakdown import optimizer_region, profile_step
 from .parallel_dims import MESH_DIMS
 from .parallelize import parallelize_stage, uses_fsdp
 from .pipeline import build_pipeline_schedule, p2p_buffers
@@ -97,6 +100,9 @@ class RankReport:
     peak_bytes: int
     step_times_s: list[float]
     median_step_s: float
+    threads: int = 1                                  # intra-op threads this rank ran with
+    breakdown_s: dict[str, float] | None = None       # the profiled last step by component (breakdown.COMPONENTS)
+    breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
 
 
 class Trainer:
@@ -140,8 +146,9 @@ class Trainer:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward, backward and optimizer step; the mean loss of this rank's rows (None off the last stage)."""
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        with optimizer_region():
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         return loss
 
     def _accumulation_step(self, inputs, targets) -> torch.Tensor:
@@ -169,24 +176,32 @@ class Trainer:
     def train(self, steps: int) -> tuple[list[float], RankReport]:
         """Run `steps` steps; this rank's mean loss per step (0.0 off the last stage) and its report."""
         measured = min(1, steps - 1)  # step 2, or the only step
-        losses, times, peak = [], [], 0
+        profiled = steps - 1 if steps >= 4 else None
+        losses, times, peak, breakdown = [], [], 0, None
         for step in range(steps):
             inputs, targets = self.local_batch(step)
-            with self._measure_memory(inputs, targets) if step == measured else contextlib.nullcontext() as memory:
-                self._synchronize()
-                t0 = time.perf_counter()
-                loss = self.train_step(inputs, targets)
-                self._synchronize()
-                times.append(time.perf_counter() - t0)
-            if memory is not None:
-                peak = memory.peak
+            if step == profiled:
+                out: list = []
+                breakdown, wall = profile_step(lambda: out.append(self.train_step(inputs, targets)), self._synchronize)
+                times.append(wall)
+                loss = out[0]
+            else:
+                with self._measure_memory(inputs, targets) if step == measured else contextlib.nullcontext() as memory:
+                    self._synchronize()
+                    t0 = time.perf_counter()
+                    loss = self.train_step(inputs, targets)
+                    self._synchronize()
+                    times.append(time.perf_counter() - t0)
+                if memory is not None:
+                    peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-        timed = times[2:] or times[1:] or times
+        timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times
         report = RankReport(rank=dist.get_rank(), pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
                             stages=self.stage_indices, peak_bytes=int(peak), step_times_s=times,
-                            median_step_s=statistics.median(timed))
+                            median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
+                            breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0)
         return losses, report
 
     @contextlib.contextmanager

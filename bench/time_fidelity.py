@@ -1,0 +1,186 @@
+"""Predicted vs measured step time: a grid of layouts on 4 CPU processes, run for real.
+
+For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama, profiles the model on
+this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-process
+layouts (dp with ZeRO 0-3, accumulation, checkpointing, offload, tp, pp with 1F1B and GPipe,
+dp x tp, pp x dp, pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
+under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
+and their spread (the noise band), the error, and the measured time by component of the
+slowest rank's profiled step beside the prediction; per model, the median and worst error,
+the rank correlation of predicted and measured times, and the free choice's measured time
+over the fastest layout's.
+
+    python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3]  # writes bench/results/time_fidelity.{md,csv}
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fidelity import Case, stages_for  # noqa: E402
+from planner.build import build_plan  # noqa: E402
+from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
+from planner.hardware import get_hardware  # noqa: E402
+from planner.search import Solution, SolveOptions, search  # noqa: E402
+from planner.verify import compare_time, load_run  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
+
+GLOBAL_BATCH = 16
+MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
+GRID = [
+    Case("dp4 zero0", dp=4, b=4),
+    Case("dp4 zero0 accumulate 4", dp=4, b=1, m=4),
+    Case("dp4 zero0 checkpoint some", dp=4, b=4, checkpoint="some"),
+    Case("dp4 zero1", dp=4, b=4, zero=1),
+    Case("dp4 zero2", dp=4, b=4, zero=2),
+    Case("dp4 zero3", dp=4, b=4, zero=3),
+    Case("dp4 zero3 checkpoint all", dp=4, b=4, zero=3, checkpoint="all"),
+    Case("dp4 zero3 offload some", dp=4, b=4, zero=3, offload="some"),
+    Case("dp2 x tp2", dp=2, tp=2, b=8),
+    Case("tp4", tp=4, b=16),
+    Case("pp2 x dp2 1f1b", pp=2, dp=2, b=2, m=4),
+    Case("pp4 1f1b", pp=4, b=4, m=4),
+    Case("pp4 gpipe", pp=4, b=4, m=4, schedule="gpipe"),
+    Case("pp2 x tp2 1f1b", pp=2, tp=2, b=4, m=4),
+]
+
+
+def profile(model: str, workdir: Path):
+    from profiles.hf import load_hf_spec
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+    source = ROOT / MODELS[model]
+    spec = load_hf_spec(str(source)) if source.is_dir() else load_model_file(source)
+    prof = profile_model(spec, ProfileOptions(repeats=5))
+    path = workdir / f"{model}.profile.json"
+    prof.save(path)
+    return prof, path
+
+
+def plans_for(model: str, prof, prof_path: Path, workdir: Path) -> list[tuple[str, Path, float]]:
+    """(layout name, plan path, predicted step seconds) for the grid and the free choice."""
+    hw = get_hardware("cpu")
+    cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
+    out = []
+    for case in GRID:
+        if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp > prof.n_layers:
+            continue
+        offload = case.offload != "none"
+        fsdp = case.dp > 1 or offload or case.precision == "mixed"
+        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload)
+        stages = stages_for(prof.n_layers, case)
+        pred = cost.evaluate(cand, stages)
+        opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
+        path = workdir / f"{model}-{case.name.replace(' ', '_')}.json"
+        build_plan(Solution(cand, stages, pred), [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(path)).save(path)
+        out.append((case.name, path, pred.step_s))
+    opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
+    result = search(prof, opts)
+    best = result.solutions[0]
+    path = workdir / f"{model}-free.json"
+    build_plan(best, result.solutions[1:], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(path)).save(path)
+    out.append((f"free choice: {best.candidate.describe()}", path, best.prediction.step_s))
+    return out
+
+
+def run(plan_path: Path, k: int) -> dict:
+    run_path = plan_path.with_suffix(f".run{k}.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+                           "-m", "runtime", str(plan_path), "--steps", "7", "--out", str(run_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-2000:], proc.stderr[-3000:])
+        raise SystemExit(f"{plan_path.name}: the run failed")
+    return load_run(run_path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gpt,mlp,llama")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for model in args.models.split(","):
+            prof, prof_path = profile(model, workdir)
+            plans = plans_for(model, prof, prof_path, workdir)
+            for k in range(args.runs):          # runs interleaved, so slow drift hits every layout alike
+                for name, path, predicted in plans:
+                    t = time.perf_counter()
+                    doc = run(path, k)
+                    measured = max(r["median_step_s"] for r in doc["ranks"])
+                    comps, _ = compare_time(load_plan(path), doc)
+                    rows.append({"model": model, "layout": name, "run": k, "predicted_s": predicted, "measured_s": measured,
+                                 **{f"pred_{c.component}_s": c.predicted for c in comps},
+                                 **{f"meas_{c.component}_s": c.measured for c in comps}})
+                    print(f"{model:5s} {name:40s} run {k}: predicted {predicted:.4f} s, measured {measured:.4f} s "
+                          f"({time.perf_counter() - t:.0f} s)", flush=True)
+    raw = pd.DataFrame(rows)
+    comp_cols = [c for c in raw.columns if c.startswith(("pred_", "meas_"))]
+    agg = raw.groupby(["model", "layout"], sort=False).agg(
+        predicted_s=("predicted_s", "first"), measured_s=("measured_s", "median"),
+        low_s=("measured_s", "min"), high_s=("measured_s", "max"), **{c: (c, "median") for c in comp_cols}).reset_index()
+    agg["error_pct"] = 100 * (agg["predicted_s"] - agg["measured_s"]) / agg["measured_s"]
+    agg["noise_pct"] = 100 * (agg["high_s"] - agg["low_s"]) / agg["measured_s"]
+    summary = []
+    for model, g in agg.groupby("model", sort=False):
+        free = g[g["layout"].str.startswith("free choice")].iloc[0]
+        summary.append({
+            "model": model, "layouts": len(g), "median_abs_error_pct": g["error_pct"].abs().median(),
+            "worst_abs_error_pct": g["error_pct"].abs().max(),
+            "rank_correlation": g["predicted_s"].rank().corr(g["measured_s"].rank()),
+            "free_over_fastest": free["measured_s"] / g["measured_s"].min(),
+            "median_noise_pct": g["noise_pct"].median(),
+        })
+    summ = pd.DataFrame(summary)
+
+    table = Table(title=f"predicted vs measured step time, 4 CPU processes (gloo), median of {args.runs} runs")
+    for col in ("model", "layout", "pred ms", "meas ms", "spread", "error"):
+        table.add_column(col, justify="left" if col in ("model", "layout") else "right")
+    for _, r in agg.iterrows():
+        table.add_row(r["model"], r["layout"], f"{1e3 * r['predicted_s']:.1f}", f"{1e3 * r['measured_s']:.1f}",
+                      f"{r['noise_pct']:.0f}%", f"{r['error_pct']:+.0f}%")
+    Console().print(table)
+    print(summ.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    raw.to_csv(out / "time_fidelity.csv", index=False)
+    comps = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
+    md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --runs {args.runs}` on {os.cpu_count()} CPU cores, "
+          f"{time.strftime('%Y-%m-%d')}: every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
+          f"{args.runs} times (interleaved); measured = the median over runs of the slowest rank's median step; "
+          "spread = (max - min) / median over the runs.\n",
+          "| model | layouts | median error | worst error | rank correlation | free choice / fastest | median spread |",
+          "|---|---|---|---|---|---|---|"]
+    md += [f"| {s['model']} | {s['layouts']} | {s['median_abs_error_pct']:.1f}% | {s['worst_abs_error_pct']:.1f}% | "
+           f"{s['rank_correlation']:.2f} | {s['free_over_fastest']:.2f} | {s['median_noise_pct']:.0f}% |" for s in summary]
+    md += ["", "| model | layout | predicted ms | measured ms | spread | error | " +
+           " | ".join(f"{c} pred / meas" for c in comps) + " |", "|---" * (6 + len(comps)) + "|"]
+    for _, r in agg.iterrows():
+        parts = " | ".join(f"{1e3 * r.get(f'pred_{c}_s', 0):.0f} / {1e3 * r.get(f'meas_{c}_s', 0):.0f}" for c in comps)
+        md.append(f"| {r['model']} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
+                  f"{r['noise_pct']:.0f}% | {r['error_pct']:+.1f}% | {parts} |")
+    (out / "time_fidelity.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / 'time_fidelity.md'} and {out / 'time_fidelity.csv'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Where a step's time goes: one extra step under torch.profiler, its time split by component.
+
+The timed steps run without the profiler, so their times stay honest; the breakdown step
+comes after them, and its own wall time is reported beside theirs so the profiler's overhead
+shows. Each event of the step's thread gives its own (self) time to the component of the
+nearest event around it that names one (itself included):
+
+  optimizer   the optimizer step (plan::optimizer), ZeRO-1's broadcasts inside it
+  dp_comm     FSDP2 / replicate hooks: all-gathers, reduce-scatters, all-reduces and their copies
+  tp_comm     DTensor's functional collectives (tensor parallelism) and waiting on them
+  p2p         pipeline sends and receives, waiting on them included (so the bubble is here)
+  compute     every other op: forward, backward, recompute, the loss
+
+and `other` is the rest of the wall time (Python, hooks' bookkeeping): on CPU processes the
+ops run on the step's thread, so the components and `other` add up to the step's wall time.
+On CUDA the profiler sees the CPU side only (kernel launches, waits); the times are then the
+host's view, and the table says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+OPTIMIZER_MARK = "plan::optimizer"
+COMPONENTS = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
+
+
+def component_of(name: str) -> str | None:
+    """The component an event's name marks, or None (it takes its parent's)."""
+    if name.startswith(OPTIMIZER_MARK) or name.startswith("Optimizer.step"):
+        return "optimizer"
+    if name.startswith("FSDP::"):
+        return "dp_comm"
+    if name.startswith("_c10d_functional::") or name.startswith("c10d_functional::"):
+        return "tp_comm"
+    if name.startswith(("gloo:send", "gloo:recv", "nccl:send", "nccl:recv", "c10d::send", "c10d::recv")):
+        return "p2p"
+    return None
+
+
+def attribute(events) -> dict[str, float]:
+    """Seconds per component of the events of the busiest thread (FunctionEvents, as
+    prof.events() gives them), by the rule in the module docstring."""
+    per_thread = Counter()
+    for e in events:
+        if e.cpu_parent is None:
+            per_thread[e.thread] += e.cpu_time_total
+    if not per_thread:
+        return {}
+    main = per_thread.most_common(1)[0][0]
+    seconds = Counter()
+    for e in events:
+        if e.thread != main:
+            continue
+        kind, up = None, e
+        while up is not None and kind is None:
+            kind, up = component_of(up.name), up.cpu_parent
+        seconds[kind or "compute"] += e.self_cpu_time_total / 1e6
+    return dict(seconds)
+
+
+def profile_step(step: Callable[[], None], synchronize: Callable[[], None]) -> tuple[dict[str, float], float]:
+    """Run `step` once under torch.profiler; (seconds per component, the step's wall seconds)."""
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        synchronize()
+        wall = time.perf_counter() - t0
+    parts = attribute(prof.events())
+    out = {k: parts.get(k, 0.0) for k in COMPONENTS if k != "other"}
+    out["other"] = max(0.0, wall - sum(out.values()))
+    return out, wall
+
+
+def optimizer_region():
+    """The region the breakdown calls the optimizer step."""
+    return record_function(OPTIMIZER_MARK)
+
