@@ -5,8 +5,9 @@ this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-
 layouts (dp with ZeRO 0-3, accumulation, checkpointing, offload, tp, pp with 1F1B and GPipe,
 dp x tp, pp x dp, pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
 under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
-and their spread (the noise band), the error, and the measured time by component of the
-slowest rank's profiled step beside the prediction; per model, the median and worst error,
+(each run's figure: the median over ranks of their median of 7 timed steps) and their spread
+(the noise band), the error, and the measured time by component of the slowest rank's
+profiled step beside the prediction; per model, the median and worst error,
 the rank correlation of predicted and measured times, and the free choice's measured time
 over the fastest layout's.
 
@@ -37,10 +38,11 @@ from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.search import Solution, SolveOptions, search  # noqa: E402
-from planner.verify import compare_time, load_run  # noqa: E402
+from planner.verify import compare, compare_time, load_run  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 
 GLOBAL_BATCH = 16
+STEPS = 10            # 1 warm-up, 1 memory, 7 timed, 1 under the profiler
 MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
 GRID = [
     Case("dp4 zero0", dp=4, b=4),
@@ -102,7 +104,7 @@ def run(plan_path: Path, k: int) -> dict:
     run_path = plan_path.with_suffix(f".run{k}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-                           "-m", "runtime", str(plan_path), "--steps", "7", "--out", str(run_path)],
+                           "-m", "runtime", str(plan_path), "--steps", str(STEPS), "--out", str(run_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stdout[-2000:], proc.stderr[-3000:])
@@ -125,8 +127,9 @@ def main() -> None:
                 for name, path, predicted in plans:
                     t = time.perf_counter()
                     doc = run(path, k)
-                    measured = max(r["median_step_s"] for r in doc["ranks"])
-                    comps, _ = compare_time(load_plan(path), doc)
+                    plan = load_plan(path)
+                    _, (_, measured) = compare(plan, path, doc)
+                    comps, _ = compare_time(plan, doc)
                     rows.append({"model": model, "layout": name, "run": k, "predicted_s": predicted, "measured_s": measured,
                                  **{f"pred_{c.component}_s": c.predicted for c in comps},
                                  **{f"meas_{c.component}_s": c.measured for c in comps}})
@@ -166,7 +169,8 @@ def main() -> None:
     comps = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
     md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --runs {args.runs}` on {os.cpu_count()} CPU cores, "
           f"{time.strftime('%Y-%m-%d')}: every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
-          f"{args.runs} times (interleaved); measured = the median over runs of the slowest rank's median step; "
+          f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "
+          "their median of 7 timed steps; "
           "spread = (max - min) / median over the runs.\n",
           "| model | layouts | median error | worst error | rank correlation | free choice / fastest | median spread |",
           "|---|---|---|---|---|---|---|"]

@@ -282,8 +282,7 @@ class CostModel:
 
         # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
-        scale = self.compute_scale(cand)
-        compute = (fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)) * scale
+        compute = (fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)) * self.compute_scale(cand)
         # TP all-reduces sit on the critical path; a checkpointed layer runs its forward's again.
         tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
         tp_comm = tp_fwd * (2 if checkpoint else 1) \
@@ -314,14 +313,20 @@ class CostModel:
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm)
 
     def compute_scale(self, cand: Candidate) -> float:
-        """How much slower compute runs than it was measured: CPU processes beyond the cores
-        that run at full speed at once share them (the profile times one process alone). A
-        pipeline keeps its ranks busy m / (m + pp - 1) of the step, so fewer compete at once."""
+        """How much slower a rank computes than the profile measured (one process alone), on
+        CPU processes that share the node's cores: ranks beyond the cores that run at full
+        speed at once (host_cores) share them. A pipeline's ranks are not all busy at once:
+        in each of the step's m + pp - 1 slots (stages of equal time), min(k + 1, pp, m,
+        m + pp - 1 - k) stages of each pipeline work, dp x tp ranks each; the scale is the
+        mean over the slots of max(1, busy ranks / cores). On GPUs ranks share no cores (1)."""
         if self.hw.device_type != "cpu":
             return 1.0
         m, pp = cand.num_micro_batches, cand.pp
-        busy = min(cand.world_size, self.gpus_per_node) * m / (m + pp - 1)
-        return max(1.0, busy / self.hw.host_cores)
+        ranks = min(cand.world_size, self.gpus_per_node)
+        cores = min(ranks, self.hw.host_cores)
+        slots = m + pp - 1
+        per_stage = ranks / pp                    # ranks of one stage on the node (dp x tp)
+        return sum(max(1.0, min(k + 1, pp, m, slots - k) * per_stage / cores) for k in range(slots)) / slots
 
     def collective_terms(self, kind: str, group: int, cand: Candidate) -> tuple[float, float]:
         """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
@@ -421,6 +426,10 @@ class CostModel:
 
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
+        terms = self.stage_terms(cand, stage, choices)
+        return terms.per_micro_batch, terms.once_per_step
+
+    def stage_terms(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> TimeTerms:
         costs, loss = self.stage_costs(cand, stage, choices)
         first, last = choices[0][0], choices[-1][0]
         terms = self.time_terms(
@@ -428,7 +437,7 @@ class CostModel:
             sent_bytes=self.boundary_bytes(cand, first, last), boundaries=(first > 0) + (last < self.profile.n_layers - 1),
             step_s=sum(c.step_s for c in costs), sync_s=sum(c.sync_s for c in costs),
             compute_s=sum(c.compute_s for c in costs))
-        return terms.per_micro_batch, terms.once_per_step
+        return terms
 
     def time_terms(self, cand: Candidate, layers_s, loss_s, sent_bytes, boundaries, step_s, sync_s, compute_s) -> "TimeTerms":
         """A stage's time from sums over its layers, the one definition of it: the cost model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def compare(plan: Plan, plan_path: str | Path, run: dict) -> tuple[list[StageRow
             measured = max(r["peak_bytes"] for r in mine)
             rows.append(StageRow(pp_rank, [r["rank"] for r in mine], predicted, measured,
                                  100.0 * (predicted - measured) / measured))
-        measured_step = max(r["median_step_s"] for r in ranks)
+        # Every rank waits for the others each step, so they take the same time per step on
+        # the whole; the median over ranks of their median steps is the least noisy figure.
+        measured_step = statistics.median(r["median_step_s"] for r in ranks)
     except (KeyError, TypeError, ValueError) as e:
         raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
     return rows, (plan.predicted["step_time_s"], measured_step)

@@ -7,8 +7,9 @@ them:
 - collectives (all-reduce, all-gather, reduce-scatter, broadcast, send/receive) against
   message size, for every group size that divides the process count, with every process
   busy at once (groups side by side, as under a plan), each timed as in a step: what it adds
-  to a slice of compute before it (broadcasts, which ZeRO-1 issues back to back after the
-  optimizer step, back to back), by the slowest rank;
+  to a slice of compute before it, never less than it takes alone (broadcasts, which ZeRO-1
+  issues back to back after the optimizer step, and the pipeline's asynchronous sends: alone),
+  by the slowest rank;
   each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
 - on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
   the cores run at full speed at once (`host_cores`, from the same matmul run in every
@@ -172,15 +173,18 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                     fn()
                     sync()
 
-                # Broadcasts (ZeRO-1's, after the optimizer step) run back to back, the others
-                # between slices of a layer's compute.
-                work = (lambda: None) if kind == "broadcast" else compute
-                both = _time_in_step(op, work, barrier, repeats)
-                alone = _time_in_step(None, work, barrier, repeats)
-                t = torch.tensor([both, alone], dtype=torch.float64, device=dev)
+                # Back to back: what the collective alone costs, all that is timed for broadcasts
+                # (ZeRO-1 issues them back to back after the optimizer step) and for a pipeline's
+                # asynchronous sends. The others run between slices of a layer's compute, where
+                # they cost what they add to it, never less than alone.
+                alone = _time_in_step(op, lambda: None, barrier, repeats)
+                in_step = 0.0
+                if kind not in ("broadcast", "send_recv"):
+                    in_step = _time_in_step(op, compute, barrier, repeats) - _time_in_step(None, compute, barrier, repeats)
+                t = torch.tensor([alone, in_step], dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)            # the slowest rank's view is the cost
                 rows.append({"kind": kind, "group": g, "processes": world, "bytes": nbytes,
-                             "seconds": max(t[0].item() - t[1].item(), 1e-7)})
+                             "seconds": max(t[0].item(), t[1].item())})
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -251,28 +255,48 @@ def adamw_params_per_s(total: int = 16 * 2**20, tensors: int = 16, repeats: int 
     return total / median_time(opt.step, repeats)
 
 
-def _matmul_worker(rank: int, n: int, repeats: int, queue) -> None:
+def _matmul_rate(n: int, seconds: float) -> float:
+    """FLOP/s of back-to-back n^3 fp32 matmuls on one thread, over `seconds` of wall time."""
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    count, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        torch.mm(a, b, out=out)
+        count += 1
+    return 2.0 * n**3 * count / elapsed
+
+
+def _matmul_worker(rank: int, n: int, seconds: float, barrier, queue) -> None:
     import torch
     torch.set_num_threads(1)
-    queue.put(matmul_flops(torch.float32, n, n, n, repeats=repeats))
+    barrier.wait()                     # every process computes over the same interval
+    queue.put(_matmul_rate(n, seconds))
 
 
-def effective_cores(processes: int, n: int = 512, repeats: int = 20) -> tuple[float, float, float]:
+def effective_cores(processes: int, n: int = 256, seconds: float = 2.0, rounds: int = 3) -> tuple[float, float, float]:
     """How many single-thread processes run at full speed at once: processes x (the matmul rate
-    each gets when all run together) / (the rate one gets alone). Returns (cores, alone, together)."""
+    each gets while all run together) / (the rate one gets alone), the median of `rounds`
+    (a shared VM moves it by tens of percent). Returns (cores, alone, together)."""
+    runs = sorted((_effective_cores_once(processes, n, seconds) for _ in range(rounds)), key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+def _effective_cores_once(processes: int, n: int, seconds: float) -> tuple[float, float, float]:
     import torch
     import torch.multiprocessing as mp
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = matmul_flops(torch.float32, n, n, n, repeats=repeats)
+        alone = _matmul_rate(n, seconds)
     finally:
         torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_matmul_worker, args=(n, repeats, queue), nprocs=processes, join=True)
-    together = statistics.median(queue.get() for _ in range(processes))
+    queue, barrier = ctx.SimpleQueue(), ctx.Barrier(processes)
+    mp.spawn(_matmul_worker, args=(n, seconds, barrier, queue), nprocs=processes, join=True)
+    together = statistics.mean(queue.get() for _ in range(processes))
     cores = min(float(os.cpu_count() or 1), processes * together / alone)
     return cores, alone, together
 

@@ -43,6 +43,7 @@ def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, 
             "fwd_t": rng.randint(0, 4) * kib, "bwd": rng.randint(1, 6) * kib, "ck_own": rng.choice([0, 64]) * byte_scale,
             "ck_fwd_t": rng.randint(1, 4) * kib, "grad": 4 * rows * cols, "fwd_s": rng.uniform(1e-4, 1e-3),
             "flops": rng.randint(1, 100) * 10**6, "io": rng.randint(1, 10) * 10**5,
+            "opt_s": rng.choice([0.0, rng.uniform(1e-5, 2e-4)]),   # 0: not measured, the cost model's formula
         }
         sig = f"s{i}"
         for _ in range(run):
@@ -53,6 +54,7 @@ def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, 
                 compute_param_bytes=4 * numel, buffer_bytes=0, grad_bytes=4 * numel,
                 optimizer_state_bytes=8 * numel + 4 if optimizer in ("adam", "adamw") else 0,
                 tp_param_bytes=4 * numel if params[0].tp_dim is not None else 0, params=params,
+                optimizer_step_s=base["opt_s"],
             )
             layers.append(lp)
             i += 1

@@ -4,7 +4,6 @@ units, roofline. Pure Python except the last test, which exercises the cpu-prese
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
@@ -410,25 +409,23 @@ def test_roofline_on_a_hand_computed_example():
 # The benchmark behind the cpu preset (imports torch; skipped where it is missing)
 # ---------------------------------------------------------------------------------------------
 
-def test_cpu_preset_benchmark_pieces_run_and_give_plausible_figures():
+def test_calibration_rates_run_and_give_plausible_figures():
     torch = pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("measure_cpu_preset", ROOT / "bench" / "measure_cpu_preset.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from profiles import calibrate
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        flops = bench.matmul_flops(torch.float32, n=256, repeats=3)
-        copy = bench.copy_bandwidth(nbytes=16 * 2**20, repeats=3)
-        adam = bench.adamw_params_per_s(total=2**18, tensors=4, repeats=2)
+        flops = calibrate.matmul_flops(torch.float32, 256, 256, 256, repeats=3)
+        copy = calibrate.copy_bandwidth(nbytes=16 * 2**20, repeats=3)
+        adam = calibrate.adamw_params_per_s(total=2**18, tensors=4, repeats=2)
     finally:
         torch.set_num_threads(threads)
     # one core of anything that runs these tests: between 100 MFLOP/s and 10 TFLOP/s, etc.
     assert 1e8 < flops < 1e13
     assert 1e8 < copy < 1e12
     assert 1e6 < adam < 1e11
-    assert bench.host_memory_bytes() > 0
-    # the names the script prints for the preset are Hardware's field names
-    source = (ROOT / "bench" / "measure_cpu_preset.py").read_text()
-    for field in re.findall(r'figures\["([a-z0-9_]+)"\]', source):
+    assert calibrate.host_memory_bytes() > 0
+    # the names the calibration writes are Hardware's field names
+    source = (ROOT / "profiles" / "calibrate.py").read_text()
+    for field in re.findall(r'put\("([a-z0-9_]+)"', source):
         assert field in ALL_FIELDS, field

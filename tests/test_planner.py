@@ -16,8 +16,11 @@ from planner.search import SolveOptions, enumerate_candidates, search
 from tests.synthetic import random_profile
 
 
-def cpu_like(memory: int) -> Hardware:
-    return Hardware.from_json({**PRESETS["cpu"].to_json(), "memory_bytes": memory, "name": "test"})
+def cpu_like(memory: int, overlap: float | None = None) -> Hardware:
+    """The cpu preset (calibrated collectives, nothing hidden) with this memory; with `overlap`,
+    the ring model on its links and that share of collectives hidden instead (as on a GPU)."""
+    extra = {} if overlap is None else {"collective_overlap": overlap, "collectives": []}
+    return Hardware.from_json({**PRESETS["cpu"].to_json(), "memory_bytes": memory, "name": "test", **extra})
 
 
 def partitions(n: int, parts: int):
@@ -72,26 +75,29 @@ def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
     return best
 
 
-@pytest.mark.parametrize("seed, solver, byte_scale", [(k, "highs", 1) for k in range(24)] + [(k, "cbc", 1) for k in range(4)]
-                         + [(k, "highs", 2**17) for k in range(100, 112)])
-def test_milp_equals_brute_force(seed, solver, byte_scale):
+@pytest.mark.parametrize("seed, solver, byte_scale, overlap", [(k, "highs", 1, None) for k in range(24)]
+                         + [(k, "cbc", 1, None) for k in range(4)]
+                         + [(k, "highs", 2**17, None) for k in range(100, 112)]
+                         + [(k, "highs", 1, 1.0) for k in range(200, 206)] + [(k, "highs", 1, 0.5) for k in range(300, 304)])
+def test_milp_equals_brute_force(seed, solver, byte_scale, overlap):
     """byte_scale 2**17: GiB-sized layers and a GPU-sized limit, where a solver that drops tiny
-    matrix entries (HiGHS: under 1e-9) would lose any byte-valued variable from the memory rows."""
+    matrix entries (HiGHS: under 1e-9) would lose any byte-valued variable from the memory rows.
+    overlap: collectives by the ring model, that share of them hidden behind compute."""
     rng = random.Random(seed)
     n = rng.randint(3, 8)
     gpus = rng.choice([1, 2, 4, 8])
     prof = random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale)
-    opts = SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40), global_batch=gpus * rng.choice([2, 4]),
+    opts = SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40, overlap), global_batch=gpus * rng.choice([2, 4]),
                         offload="auto" if n <= 6 else "none")
     cands = list(enumerate_candidates(prof, opts))
     rng.shuffle(cands)
     checked = 0
     for cand in cands[:4]:
         # A memory limit between the smallest and the largest need makes the choices matter.
-        lo_hi = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
+        lo_hi = CostModel(prof, cpu_like(1 << 40, overlap), 8, 1 << 40)
         everything = lo_hi.evaluate(cand, [[(i, False, False) for i in st] for st in next(partitions(n, cand.pp))])
         limit = int(everything.peak_bytes * rng.uniform(0.6, 1.0))
-        model = CostModel(prof, cpu_like(limit), 8, limit)
+        model = CostModel(prof, cpu_like(limit, overlap), 8, limit)
         choices = choices_for("auto", opts.offload, cand.allow_offload)
         layout = solve_layout(model, cand, choices, solver)
         expected = brute_force(model, cand, choices)

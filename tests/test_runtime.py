@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -175,18 +176,48 @@ def test_memory_follows_the_zero_stage(results):
     assert peak["offload_zero0"] < peak["dp2"]
 
 
-def test_cli_run_writes_the_report(tmp_path):
-    plan = make_plan(pp=2, m=2)
+def run_for_breakdown(tmp_path, plan, steps: int) -> dict:
     plan_path, out = tmp_path / "plan.json", tmp_path / "run.json"
     plan.save(plan_path)
-    proc = subprocess.run(build_command(plan_path, plan, steps=STEPS, out=out), capture_output=True, text=True, timeout=120, env=ENV)
+    proc = subprocess.run(build_command(plan_path, plan, steps=steps, out=out), capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    run = json.loads(out.read_text())
-    assert (run["schema"], run["kind"], run["world_size"], run["steps"], run["device"]) == (1, "run", 2, STEPS, "cpu")
+    return json.loads(out.read_text())
+
+
+def assert_breakdown_adds_up(report: dict) -> dict:
+    """The profiled step's components are non-negative and add up to its wall time (`other`
+    is what no op accounts for; it can only be 0 if the ops' times already fill the step)."""
+    parts = report["breakdown_s"]
+    assert set(parts) == {"compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other"}
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(report["breakdown_step_s"], rel=0.02)
+    assert parts["compute"] > 0 and parts["optimizer"] > 0
+    return parts
+
+
+def test_cli_run_writes_the_report(tmp_path):
+    """A pp2 run: the report, the losses of one process, and a breakdown whose pipeline part is seen."""
+    steps = 4                                      # the 4th runs under the profiler, and trains like the others
+    plan = make_plan(pp=2, m=2)
+    run = run_for_breakdown(tmp_path, plan, steps)
+    assert (run["schema"], run["kind"], run["world_size"], run["steps"], run["device"]) == (1, "run", 2, steps, "cpu")
     assert [(r["rank"], r["pp_rank"], r["stages"]) for r in run["ranks"]] == [(0, 0, [0]), (1, 1, [1])]
     with one_thread():
-        ref_losses, _ = train_reference(load_spec(plan.model), plan, STEPS)
+        ref_losses, _ = train_reference(load_spec(plan.model), plan, steps)
     torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64), **FP32_TOL)
+    for r in run["ranks"]:
+        parts = assert_breakdown_adds_up(r)
+        assert parts["p2p"] > 0 and parts["tp_comm"] == 0 and parts["dp_comm"] == 0
+        assert r["threads"] == 1
+        assert r["median_step_s"] == statistics.median(r["step_times_s"][2:3])   # the profiled step is not timed
+
+
+def test_breakdown_sees_each_kind_of_collective(tmp_path):
+    """dp2 x tp2 (ZeRO 3): FSDP2's gathers and reductions, DTensor's all-reduces, each where it belongs."""
+    run = run_for_breakdown(tmp_path, make_plan(dp=2, tp=2, zero=3, optimizer=MOMENTUM), 4)
+    for r in run["ranks"]:
+        parts = assert_breakdown_adds_up(r)
+        assert parts["dp_comm"] > 0 and parts["tp_comm"] > 0 and parts["p2p"] == 0
 
 
 def test_zero1_chunks_every_parameter_evenly():

@@ -1,0 +1,147 @@
+"""Step time: the calibration's fits, the achievable-rate roofline, the breakdown's rule, and
+the cost model's use of calibrated collectives. Torch-free except where marked."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from planner.cost import Candidate, CostModel
+from planner.hardware import PRESETS, CollectiveFit, Hardware, load_cluster_file
+from profiles.calibrate import Calibration, cluster_file_text, fit_collectives, fit_latency_bandwidth, fit_matmul
+from synthetic import random_profile
+
+
+def tiny_profile():
+    return random_profile(random.Random(1), 3, repeat_runs=False)
+
+
+def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
+    rng = random.Random(0)
+    lat, bw = 250e-6, 1.2e9
+    sizes = [2**k for k in range(10, 24)]
+    times = [(lat + x / bw) * (1 + rng.uniform(-0.02, 0.02)) for x in sizes]     # 2% noise
+    got_lat, got_bw, residual = fit_latency_bandwidth(sizes, times)
+    assert got_lat == pytest.approx(lat, rel=0.05)
+    assert got_bw == pytest.approx(bw, rel=0.05)
+    assert 0 < residual < 0.05
+
+
+def test_fit_never_returns_a_negative_latency():
+    sizes = [1e3, 1e6, 1e7]
+    lat, bw, _ = fit_latency_bandwidth(sizes, [x / 1e9 * 0.5 for x in sizes[:1]] + [x / 1e9 for x in sizes[1:]])
+    assert lat >= 0 and bw > 0
+
+
+def test_fit_collectives_groups_by_kind_group_and_processes():
+    rows = [{"kind": k, "group": 2, "processes": p, "bytes": x, "seconds": lat + x / 1e9}
+            for k, lat in (("all_reduce", 1e-3), ("all_gather", 5e-4)) for p in (2, 4) for x in (1e3, 1e5, 1e7)]
+    fits = {(f.kind, f.processes): f for f in fit_collectives(rows)}
+    assert set(fits) == {("all_reduce", 2), ("all_reduce", 4), ("all_gather", 2), ("all_gather", 4)}
+    assert fits["all_reduce", 4].latency_s == pytest.approx(1e-3, rel=1e-6)
+    assert fits["all_gather", 2].bandwidth == pytest.approx(1e9, rel=1e-6)
+
+
+def test_matmul_fit_recovers_efficiency_and_knee():
+    peak, eff, knee = 1000e12, 0.8, 128
+    pts = [(d, d, d, peak * eff * (d / (d + knee)) ** 3) for d in (256, 512, 1024, 4096, 8192)]
+    pts.append((8192, 1024, 4096, peak * eff * 8192 / 8320 * 1024 / 1152 * 4096 / 4224))
+    got_eff, got_knee, res = fit_matmul(pts, peak)
+    assert got_eff == pytest.approx(eff, rel=0.02)
+    assert got_knee == pytest.approx(knee, rel=0.25)
+    assert res < 0.05
+
+
+def test_achievable_roofline_gives_the_published_ceiling_for_a_large_square_matmul():
+    """MAMF (Bekman's table): H100 SXM 792.1 TFLOPS bf16, A100 SXM 267.9, at their best shapes."""
+    for name, published in (("h100-sxm-80g", 792.1e12), ("a100-80g", 267.9e12)):
+        hw = PRESETS[name]
+        n = 16384
+        rate = 2 * n**3 / hw.op_seconds("bf16", "matmul", 2 * n**3, 0, (n, n, n))
+        assert rate == pytest.approx(published, rel=0.03)
+        assert rate <= hw.bf16_flops * hw.matmul_efficiency
+        small = 2 * 512**3 / hw.op_seconds("bf16", "matmul", 2 * 512**3, 0, (512, 512, 512))
+        assert small < 0.6 * rate                     # small matmuls reach far less
+
+
+def test_no_op_beats_the_table():
+    hw = PRESETS["h100-sxm-80g"]
+    ceiling = hw.bf16_flops * hw.matmul_efficiency
+    for kind, mnk in (("matmul", (8, 8, 8)), ("matmul", (65536, 65536, 65536)), ("attention", None), ("other", None)):
+        assert 1e12 / hw.op_seconds("bf16", kind, 1e12, 0, mnk) <= ceiling * (1 + 1e-12)
+    assert 1e9 / hw.op_seconds("bf16", "memory", 0, 1e9) == pytest.approx(hw.hbm_bandwidth * hw.memory_efficiency)
+
+
+def test_cluster_file_round_trips_the_calibration(tmp_path):
+    fits = (CollectiveFit("all_reduce", 2, 2, 1e-4, 2e9, 0.1), CollectiveFit("send_recv", 2, 4, 3e-4, 1e9, 0.2))
+    hw = dataclasses.replace(PRESETS["cpu"], name="cpu-calibrated", host_cores=1.5, collectives=fits,
+                             sources={**PRESETS["cpu"].sources, "host_cores": "measured here"})
+    path = tmp_path / "cluster.toml"
+    path.write_text(cluster_file_text(Calibration(hw, [], []), "cpu"))
+    back = load_cluster_file(path)
+    assert back.collectives == fits
+    assert back.host_cores == 1.5 and back.name == "cpu-calibrated"
+    assert Hardware.from_json(back.to_json()) == back
+
+
+def test_cost_model_uses_calibrated_collectives_where_it_has_them():
+    prof = tiny_profile()
+    fit = CollectiveFit("all_reduce", 2, 2, 7e-3, 1e8)
+    hw = dataclasses.replace(PRESETS["cpu"], collectives=(fit,))
+    model = CostModel(prof, hw, 8, 1 << 40)
+    cand = Candidate(2, 1, 1, 1, 1, 0, "1f1b", True, False)
+    assert model.collective_s("all_reduce", 1e6, 2, cand) == pytest.approx(7e-3 + 1e6 / 1e8)
+    # no fit for all_gather: the ring model on the link (2 ranks: one step of half the bytes)
+    lat, per_byte = model.collective_terms("all_gather", 2, cand)
+    assert lat == pytest.approx(hw.intra_node_latency) and per_byte == pytest.approx(0.5 / hw.intra_node_bandwidth)
+    # replicate (zero 0) all-reduces each layer's gradients once per step, with gloo nothing hides it
+    layer = model.layer(cand, 1, False, False)
+    assert layer.sync_s == pytest.approx(7e-3 + prof.layers[1].param_count * 4 / 1e8)
+
+
+def test_cpu_ranks_beyond_the_cores_share_them_and_pipelines_share_less():
+    """4 ranks on 2 cores compute at half speed; a pipeline's ranks only while their slot has
+    them busy: pp 4, m 4 has slots with 1, 2, 3, 4, 3, 2, 1 busy stages."""
+    prof = tiny_profile()
+    hw = dataclasses.replace(PRESETS["cpu"], host_cores=2.0)
+    model = CostModel(prof, hw, 8, 1 << 40)
+    assert model.compute_scale(Candidate(1, 1, 1, 1, 4, 0, "1f1b", False, False)) == 1.0
+    assert model.compute_scale(Candidate(2, 1, 1, 1, 4, 0, "1f1b", True, False)) == 1.0
+    assert model.compute_scale(Candidate(4, 1, 1, 1, 4, 0, "1f1b", True, False)) == pytest.approx(2.0)
+    assert model.compute_scale(Candidate(1, 1, 4, 1, 4, 0, "1f1b", False, False)) == pytest.approx((1 + 1 + 1.5 + 2 + 1.5 + 1 + 1) / 7)
+    assert model.compute_scale(Candidate(2, 1, 2, 1, 4, 0, "1f1b", True, False)) == pytest.approx((1 + 2 + 2 + 2 + 1) / 5)
+    one = model.layer(Candidate(1, 1, 1, 1, 4, 0, "1f1b", False, False), 1, False, False)
+    four = model.layer(Candidate(4, 1, 1, 1, 4, 0, "1f1b", True, False), 1, False, False)
+    assert four.compute_s == pytest.approx(2 * one.compute_s)
+    gpu = CostModel(prof, PRESETS["h100-sxm-80g"], 8, 1 << 40)
+    assert gpu.compute_scale(Candidate(8, 1, 1, 1, 4, 0, "1f1b", True, False)) == 1.0
+
+
+def test_breakdown_gives_each_event_the_component_around_it():
+    from runtime.breakdown import attribute
+
+    def ev(name, self_us, parent=None, thread=1):
+        e = SimpleNamespace(name=name, self_cpu_time_total=self_us, cpu_parent=parent, thread=thread,
+                            cpu_time_total=self_us)
+        return e
+    step = ev("Optimizer.step#AdamW.step", 100)
+    fused = ev("aten::_fused_adamw_", 400, step)
+    hook = ev("FSDP::post_backward_reduce (3)", 50)
+    wait = ev("c10d::allreduce_", 900, hook)
+    mm = ev("aten::mm", 2000)
+    tp = ev("_c10d_functional::wait_tensor", 300, ev("autograd::engine::evaluate_function: X", 10))
+    recv = ev("gloo:recv", 700)
+    other_thread = ev("gloo:all_reduce", 5000, thread=7)
+    events = [step, fused, hook, wait, mm, tp, tp.cpu_parent, recv, other_thread]
+    # the busiest thread is the step's
+    for e in events:
+        e.cpu_time_total = e.self_cpu_time_total if e.thread == 1 else 10
+    got = attribute(events)
+    assert got["optimizer"] == pytest.approx(500e-6)
+    assert got["dp_comm"] == pytest.approx(950e-6)
+    assert got["compute"] == pytest.approx(2010e-6)
+    assert got["tp_comm"] == pytest.approx(300e-6)
+    assert got["p2p"] == pytest.approx(700e-6)
