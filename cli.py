@@ -65,6 +65,7 @@ def profile(
     hardware: Optional[str] = typer.Option(None, help="Hardware preset for --fake times (see `plan hardware`)."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
+    threads: int = typer.Option(1, help="Intra-op threads to time layers with: what each rank will run with (plan run gives CPU ranks this many)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample of a Hugging Face model (default: the smaller of 4096 and its max_position_embeddings)."),
 ):
     """Measure every layer: memory by category, time and FLOPs at each micro-batch size."""
@@ -88,6 +89,8 @@ def profile(
             fail(f"--batch-sizes {batch_sizes!r} must list positive integers, e.g. 1,2,4.")
         if repeats < 1:
             fail(f"--repeats is {repeats}; give 1 or more.")
+        if threads < 1:
+            fail(f"--threads is {threads}; give 1 or more.")
         op_seconds = None
         if fake:
             if not hardware:
@@ -105,7 +108,7 @@ def profile(
         else:
             spec = load_model_file(model)
         opts = ProfileOptions(batch_sizes=sizes, optimizer=optimizer, precision=precision, device=device,
-                              fake=fake, hardware=hardware, repeats=repeats)
+                              fake=fake, hardware=hardware, repeats=repeats, threads=threads)
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("profiling", total=None)
@@ -420,11 +423,11 @@ def run(
     out.print(shlex.join(cmd), highlight=False, soft_wrap=True)
     if print_only:
         return
-    # torchrun sets one thread per process only for several processes; CPU plans on a
-    # small machine are much slower when a lone process's threads fight other work.
+    # Each CPU rank runs with the threads its layers were timed with (the profile's; torchrun
+    # alone would set one thread only for several processes).
     env = {**os.environ}
     if plan.device_type == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", str(plan.threads))
     code = subprocess.call(cmd, env=env)
     if code:
         raise typer.Exit(code)
@@ -457,6 +460,11 @@ def verify(
                   f"[{colour}]{r.error_pct:+.2f}%[/]")
     out.print(t)
     out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
+    ran = {r.get("threads") for r in run_doc.get("ranks", []) if isinstance(r, dict)} - {None}
+    if plan.device_type == "cpu" and ran and ran != {plan.threads}:
+        out.print(f"[yellow]note:[/] the ranks ran with {', '.join(map(str, sorted(ran)))} threads but the profile timed "
+                  f"its layers with {plan.threads}; the step time assumes {plan.threads} (set OMP_NUM_THREADS={plan.threads}).",
+                  highlight=False)
     if time_rows:
         t = Table(title=f"step time by component (ms): predicted vs rank {time_rank}'s profiled step")
         for col in ("component", "predicted", "measured"):

@@ -58,7 +58,8 @@ def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_
     stages = [Stage(index=s, layers=[LayerChoice(i, bool(ck), bool(off)) for i, ck, off in st])
               for s, st in enumerate(sol.stages)]
     return Plan(
-        profile={"path": profile_path, "sha256": hashlib.sha256(Path(profile_path).read_bytes()).hexdigest()},
+        profile={"path": profile_path, "sha256": hashlib.sha256(Path(profile_path).read_bytes()).hexdigest(),
+                 "threads": profile.threads},
         model=dict(profile.model),
         hardware=hw.to_json(),
         device_type=hw.device_type,

@@ -47,7 +47,7 @@ class OptimizerConfig:
 
 @dataclass
 class Plan:
-    profile: dict              # {"path", "sha256"} of the profile it was solved from
+    profile: dict              # {"path", "sha256", "threads"} of the profile it was solved from (threads: its layers' timing)
     model: dict                # {"path", "sha256", "source", "name"}: the model file the runtime loads
     hardware: dict             # the hardware description (preset or cluster file), as used
     device_type: str           # "cuda" (NCCL) or "cpu" (gloo)
@@ -76,6 +76,12 @@ class Plan:
     @property
     def n_layers(self) -> int:
         return sum(len(s.layers) for s in self.stages)
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads per rank the prediction assumes (the profile's timing)."""
+        t = self.profile.get("threads", 1) if isinstance(self.profile, dict) else 1
+        return t if isinstance(t, int) and not isinstance(t, bool) and t >= 1 else 1
 
     @property
     def virtual_stages(self) -> int:

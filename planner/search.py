@@ -248,6 +248,10 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     bounded = sorted(((time_lower_bound(model, c, choices_for(opts.checkpoint, opts.offload, c.allow_offload)), c)
                       for c in cands), key=lambda t: (t[0], t[1]))
     result = SearchResult([], len(cands), 0, 0, 0)
+    busy = min(opts.gpus, opts.node_size)
+    if opts.hardware.device_type == "cpu" and busy > opts.hardware.host_cores:
+        result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "
+                            "their compute is costed slower by as many as are busy at once (docs/cost-model.md)")
     closest: tuple[Candidate, int] | None = None
     one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     for k, (bound, cand) in enumerate(bounded):

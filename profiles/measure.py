@@ -361,6 +361,13 @@ def share_times_of_identical_layers(layers: list[LayerProfile]) -> None:
     for layer in layers:
         groups.setdefault(layer.signature, []).append(layer)
     for group in groups.values():
+        for mode in group[0].fsdp_overhead_s:
+            med = statistics.median(g.fsdp_overhead_s.get(mode, 0.0) for g in group)
+            for g in group:
+                g.fsdp_overhead_s[mode] = med
+        step = statistics.median(g.optimizer_step_s for g in group)
+        for g in group:
+            g.optimizer_step_s = step
         for attr in ("samples", "tp_samples"):
             for b in getattr(group[0], attr):
                 for name in ("fwd_s", "bwd_s"):
@@ -411,6 +418,35 @@ def measure_optimizer_step(layer: nn.Module, opts: ProfileOptions) -> float:
         if rep >= opts.warmup:
             times.append(t.seconds())
     return statistics.median(times)
+
+
+FSDP_MODES = ("replicate", "shard", "shard_keep")   # the runtime's DP units (planner.cost names them so)
+# replicate all-reduces only after a step's last micro-batch: its overhead per micro-batch is
+# measured without that reduction, and "replicate_sync" is what the reduction's copies add once.
+
+
+def measure_fsdp_overhead(layer: nn.Module, x: torch.Tensor, mesh, opts: ProfileOptions) -> dict[str, float]:
+    """What wrapping the layer as each kind of FSDP2 unit adds to its forward + backward per
+    micro-batch: the hooks, the copies into and out of the collectives' flat buffers, the
+    bookkeeping (measured on a fake 2-rank mesh, so the collectives themselves cost nothing;
+    the planner costs those from the hardware's calibrated fits)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    bare_f, bare_b = measure_time(layer, layer, x, opts)
+    out = {}
+    for mode in FSDP_MODES + ("replicate_sync",):
+        unit = copy.deepcopy(layer)
+        if mode.startswith("replicate"):
+            replicate(unit, mesh=mesh)
+            unit.set_requires_gradient_sync(mode == "replicate_sync", recurse=False)
+        else:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=mode == "shard")
+        f, b = measure_time(unit, unit, x, opts)
+        out[mode] = max(0.0, f + b - bare_f - bare_b)
+        del unit
+    out["replicate_sync"] = max(0.0, out["replicate_sync"] - out["replicate"])
+    return out
 
 
 @contextlib.contextmanager
@@ -466,6 +502,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                 if key in seen:
                     # Same structure, same input shape: the same memory and FLOPs; only time it.
                     j = seen[key]
+                    layers[i].fsdp_overhead_s = dict(layers[j].fsdp_overhead_s)
                     layers[i].samples[b] = copy.copy(layers[j].samples[b])
                     if layers[j].tp_samples:
                         layers[i].tp_samples[b] = copy.copy(layers[j].tp_samples[b])
@@ -474,6 +511,8 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                 else:
                     seen[key] = i
                     layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)
+                    if b == max(opts.batch_sizes) and tp_mesh is not None and not opts.fake and any(True for _ in layer.parameters()):
+                        layers[i].fsdp_overhead_s = measure_fsdp_overhead(layer, x, tp_mesh, opts)
                     if tp_mesh is not None and tp_matches[i]:
                         split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
@@ -515,8 +554,9 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
 
 @contextlib.contextmanager
 def _tp_context(spec: mf.ModelSpec, opts: ProfileOptions):
-    """A fake mesh of TP_MEASURED ranks when the model has a tp_plan, else None."""
-    if not spec.tp_plan:
+    """A fake mesh of TP_MEASURED ranks when the model has a tp_plan (TP is measured on it)
+    or its layers are timed (FSDP2's hooks are measured on it), else None."""
+    if not spec.tp_plan and opts.fake:
         yield None
         return
     with fake_tp_mesh(opts.device, TP_MEASURED) as mesh:

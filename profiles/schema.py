@@ -143,6 +143,7 @@ class LayerProfile(Sampled):
     optimizer_state_bytes: int = 0
     tp_param_bytes: int = 0    # part of param_bytes that the tp_plan shards
     optimizer_step_s: float = 0.0  # measured optimizer step of all the layer's parameters (0: not measured, fake)
+    fsdp_overhead_s: dict[str, float] = field(default_factory=dict)  # what each FSDP2 unit kind's hooks and copies add per micro-batch (replicate_sync: once per step)
     params: list[ParamInfo] = field(default_factory=list)
     tp_samples: dict[int, LayerSample] = field(default_factory=dict)
 
@@ -254,6 +255,10 @@ class Profile:
                     bad(f"layer {layer.index} has {name} = {v!r}, not a non-negative integer")
             if not math.isfinite(layer.optimizer_step_s) or layer.optimizer_step_s < 0:
                 bad(f"layer {layer.index} has optimizer_step_s = {layer.optimizer_step_s!r}, not a non-negative number")
+            for mode, v in layer.fsdp_overhead_s.items():
+                if mode not in ("replicate", "replicate_sync", "shard", "shard_keep") or not math.isfinite(v) or v < 0:
+                    bad(f"layer {layer.index} has fsdp_overhead_s[{mode!r}] = {v!r}; it takes replicate, replicate_sync, "
+                        "shard, shard_keep and non-negative seconds")
             if sorted(layer.samples) != sorted(self.batch_sizes):
                 bad(f"layer {layer.index} was measured at {sorted(layer.samples)}, not at the profile's batch sizes {self.batch_sizes}")
             for b, s in layer.samples.items():
@@ -285,6 +290,7 @@ def _layer_from_json(d: dict) -> LayerProfile:
         param_count=d["param_count"], param_bytes=d["param_bytes"], compute_param_bytes=d["compute_param_bytes"],
         buffer_bytes=d["buffer_bytes"], grad_bytes=d["grad_bytes"], optimizer_state_bytes=d["optimizer_state_bytes"],
         tp_param_bytes=d["tp_param_bytes"], optimizer_step_s=float(d["optimizer_step_s"]),
+        fsdp_overhead_s={str(k): float(v) for k, v in d["fsdp_overhead_s"].items()},
         params=[ParamInfo(**p) for p in d["params"]],
         tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
     )

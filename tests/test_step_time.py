@@ -145,3 +145,41 @@ def test_breakdown_gives_each_event_the_component_around_it():
     assert got["compute"] == pytest.approx(2010e-6)
     assert got["tp_comm"] == pytest.approx(300e-6)
     assert got["p2p"] == pytest.approx(700e-6)
+
+
+def test_fake_profile_times_op_by_op_and_mfu_never_exceeds_the_tables_ceiling(tmp_path):
+    """A fake H100 profile of the example GPT: every layer's time is its ops at achievable
+    rates (so at least its FLOPs at the best matmul rate), and no solved layout, free or
+    pinned, is predicted above matmul_efficiency of the peak."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    from planner.search import SolveOptions, search
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+
+    hw = PRESETS["h100-sxm-80g"]
+    spec = load_model_file(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    prof = profile_model(spec, ProfileOptions(fake=True, hardware=hw.name, precision="mixed"),
+                         op_seconds=lambda kind, flops, io, mnk: hw.op_seconds("mixed", kind, flops, io, mnk))
+    ceiling = hw.bf16_flops * hw.matmul_efficiency
+    for layer in prof.layers:
+        s = layer.at(4)
+        assert s.fwd_s >= s.fwd_flops / ceiling and s.bwd_s >= s.bwd_flops / ceiling
+        assert s.fwd_s > 0 and s.bwd_s > 0
+    for pins in ({}, {"dp": 8}, {"tp": 2}, {"pp": 2}):
+        result = search(prof, SolveOptions(gpus=8, hardware=hw, global_batch=64, **pins))
+        for sol in result.solutions:
+            assert 0 < sol.prediction.mfu <= hw.matmul_efficiency
+
+
+def test_fsdp_units_cost_their_measured_hooks_and_copies():
+    prof = tiny_profile()
+    for lp in prof.layers:
+        lp.fsdp_overhead_s = {"replicate": 1e-3, "shard": 2e-3, "shard_keep": 3e-3}
+    hw = dataclasses.replace(PRESETS["cpu"], host_cores=8.0)       # no sharing of cores here
+    model = CostModel(prof, hw, 8, 1 << 40)
+    plain = model.layer(Candidate(1, 1, 1, 1, 1, 0, "1f1b", False, False), 1, False, False).compute_s
+    for zero, extra in ((0, 1e-3), (1, 1e-3), (2, 3e-3), (3, 2e-3)):
+        cand = Candidate(2, 1, 1, 1, 1, zero, "1f1b", True, False)
+        assert model.layer(cand, 1, False, False).compute_s == pytest.approx(plain + extra)
