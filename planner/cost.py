@@ -451,7 +451,9 @@ class CostModel:
         sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
         the gradient collectives that half the backward may hide."""
         lat, per_byte = self.collective_terms("send_recv", 2, cand) if cand.pp > 1 else (0.0, 0.0)
-        return TimeTerms(per_micro_batch=layers_s + loss_s + 2 * (boundaries * lat + sent_bytes * per_byte),
+        # A measured pipeline overhead (plan calibrate) includes the small send's latency.
+        lat = self.hw.pipeline_overhead_s if self.hw.pipeline_overhead_s > 0 else 2 * lat
+        return TimeTerms(per_micro_batch=layers_s + loss_s + boundaries * lat + 2 * sent_bytes * per_byte,
                          step=step_s, sync_minus_window=sync_s - self.hw.collective_overlap * 0.5 * compute_s)
 
     def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:

@@ -80,12 +80,14 @@ _FIELD_KINDS: dict[str, str] = {
     "matmul_knee": "count",
     "attention_efficiency": "fraction",
     "memory_efficiency": "fraction",
+    "pipeline_overhead_s": "seconds",
 }
+_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s"}
 # Fields a cluster file without a base may leave out, and what they then are: rates at the
 # datasheet's peak, collectives hidden behind compute (the assumptions before they existed).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "host_cores": 64.0, "collective_overlap": 1.0, "matmul_efficiency": 1.0, "matmul_knee": 1,
-    "attention_efficiency": 1.0, "memory_efficiency": 1.0,
+    "attention_efficiency": 1.0, "memory_efficiency": 1.0, "pipeline_overhead_s": 0.0,
 }
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _INT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("size", "count"))
@@ -167,6 +169,7 @@ class Hardware:
     matmul_knee: int = 1             # a matmul dimension d reaches d / (d + knee) of that (tile and wave quantisation)
     attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
+    pipeline_overhead_s: float = 0.0  # per micro-batch and stage boundary: the schedule's bookkeeping and a small send and receive
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 
@@ -194,7 +197,7 @@ class Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise HardwareError(f"{name} = {value!r} is not a number; give {_EXAMPLES[_FIELD_KINDS[name]]}.")
             value = float(value)
-            if not math.isfinite(value) or value < 0 or (value == 0 and _FIELD_KINDS[name] != "share"):
+            if not math.isfinite(value) or value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
                 raise HardwareError(
                     f"{name} = {value!r} must be a positive finite number; give {_EXAMPLES[_FIELD_KINDS[name]]}."
                 )
@@ -445,7 +448,7 @@ def _parse(value: Any, kind: str, what: str) -> int | float | str:
     else:  # pragma: no cover - every kind is handled above
         raise AssertionError(kind)
 
-    if not math.isfinite(result) or result <= 0:
+    if not math.isfinite(result) or result < 0 or (result == 0 and what not in _MAY_BE_ZERO):
         raise HardwareError(f"{what} = {shown} must be positive; write {_EXAMPLES[kind]}.")
     if kind in ("size", "count"):
         return int(round(result))
@@ -599,20 +602,20 @@ _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM, 2 vCPU, 23.5 Gi
 # adds to a slice of compute before it, every process busy; fit latency + bytes / bandwidth and
 # its worst relative miss over 1 KiB..8 MiB. 4 processes on 2 cores pay several ms per collective.
 _CPU_COLLECTIVES = (
-    CollectiveFit("all_gather", 2, 2, 0.001828, 1.351e+09, 0.41),
-    CollectiveFit("all_gather", 2, 4, 0.002124, 1.1e+09, 0.23),
-    CollectiveFit("all_gather", 4, 4, 0.004839, 9.381e+08, 0.53),
-    CollectiveFit("all_reduce", 2, 2, 0.002949, 1.339e+09, 0.38),
-    CollectiveFit("all_reduce", 2, 4, 0.003358, 9.242e+08, 0.12),
-    CollectiveFit("all_reduce", 4, 4, 0.007713, 1.134e+09, 0.19),
-    CollectiveFit("broadcast", 2, 2, 0.0002293, 3.179e+09, 0.13),
-    CollectiveFit("broadcast", 2, 4, 0.0006708, 1.894e+09, 0.49),
-    CollectiveFit("broadcast", 4, 4, 0.000972, 1.588e+09, 0.14),
-    CollectiveFit("reduce_scatter", 2, 2, 0.003096, 1.099e+09, 0.38),
-    CollectiveFit("reduce_scatter", 2, 4, 0.003356, 6.149e+08, 0.15),
-    CollectiveFit("reduce_scatter", 4, 4, 0.00748, 8.349e+08, 0.17),
-    CollectiveFit("send_recv", 2, 2, 0.0001967, 2.953e+09, 0.76),
-    CollectiveFit("send_recv", 2, 4, 0.0003947, 1.312e+09, 0.63),
+    CollectiveFit("all_gather", 2, 2, 0.001479, 1.194e+09, 0.28),
+    CollectiveFit("all_gather", 2, 4, 0.00183, 8.004e+08, 0.53),
+    CollectiveFit("all_gather", 4, 4, 0.005438, 1.057e+09, 0.24),
+    CollectiveFit("all_reduce", 2, 2, 0.002049, 1.282e+09, 0.42),
+    CollectiveFit("all_reduce", 2, 4, 0.003234, 8.873e+08, 0.44),
+    CollectiveFit("all_reduce", 4, 4, 0.006695, 9.507e+08, 0.08),
+    CollectiveFit("broadcast", 2, 2, 0.0001849, 4.058e+09, 0.89),
+    CollectiveFit("broadcast", 2, 4, 0.000686, 2.085e+09, 0.63),
+    CollectiveFit("broadcast", 4, 4, 0.001105, 2.317e+09, 0.38),
+    CollectiveFit("reduce_scatter", 2, 2, 0.002482, 9.308e+08, 0.30),
+    CollectiveFit("reduce_scatter", 2, 4, 0.003786, 6.693e+08, 0.20),
+    CollectiveFit("reduce_scatter", 4, 4, 0.008804, 9.65e+08, 0.11),
+    CollectiveFit("send_recv", 2, 2, 0.0004674, 8.938e+09, 0.62),
+    CollectiveFit("send_recv", 2, 4, 0.001162, 2.916e+09, 0.58),
 )
 
 PRESETS: dict[str, Hardware] = {
@@ -772,19 +775,20 @@ PRESETS: dict[str, Hardware] = {
         device_type="cpu",
         memory_bytes=4 * GiB,
         usable_fraction=1.0,
-        bf16_flops=1.24e+09,
-        fp32_flops=7.32e+10,
-        hbm_bandwidth=2.46e+10,
+        bf16_flops=1.3e+09,
+        fp32_flops=9.06e+10,
+        hbm_bandwidth=2.81e+10,
         gpus_per_node=8,
-        intra_node_bandwidth=1.34e+09,
-        intra_node_latency=0.00147,
-        inter_node_bandwidth=1.34e+09,
-        inter_node_latency=0.00147,
+        intra_node_bandwidth=1.28e+09,
+        intra_node_latency=0.00102,
+        inter_node_bandwidth=1.28e+09,
+        inter_node_latency=0.00102,
         host_memory_bytes=25275990016,
-        host_to_device_bandwidth=7.55e+09,
-        cpu_adam_params_per_s=8.8e+08,
-        host_cores=1.77,
+        host_to_device_bandwidth=7.59e+09,
+        cpu_adam_params_per_s=1e+09,
+        host_cores=1.91,
         collective_overlap=0.0,
+        pipeline_overhead_s=0.00101,
         collectives=_CPU_COLLECTIVES,
         sources={
             "name": "preset for plans executed as CPU processes with gloo (tests, a 2-core dev machine)",
@@ -810,9 +814,10 @@ PRESETS: dict[str, Hardware] = {
                                          "moved / t of a 256 MiB copy_, 1 thread"),
             "cpu_adam_params_per_s": (f"{_CPU_MEASURED}: torch.optim.AdamW(fused=True).step() on 16M fp32 "
                                       "parameters in 16 tensors, 1 thread"),
-            "host_cores": (f"{_CPU_MEASURED}: 4 single-thread processes each ran a 512^3 fp32 matmul at 0.31 of the "
-                           "rate of one alone, so 4 x 0.31 = 1.25 run at full speed at once (1.47 in an earlier "
-                           "run: the shared VM's figure moves by that much)"),
+            "host_cores": (f"{_CPU_MEASURED}: 4 single-thread processes started together each ran 256^3 fp32 "
+                           "matmuls for 2 s at 0.48 of the rate of one alone (median of 3 rounds), so 4 x 0.48 = 1.91 "
+                           "run at full speed at once (earlier runs on this shared VM: 1.66-1.98)"),
+
             "collective_overlap": (f"{_CPU_MEASURED}: gloo runs FSDP2's collectives on threads that the ranks' own "
                                    "cores must serve, and the runtime's step breakdown shows FSDP2 waiting on each "
                                    "one: nothing hides them"),
@@ -820,6 +825,8 @@ PRESETS: dict[str, Hardware] = {
             "matmul_knee": "not used on CPU: layers are timed where they run",
             "attention_efficiency": "not used on CPU: layers are timed where they run",
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
+            "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
+                                    "8 micro-batches: step / (m + pp - 1) / 2 boundaries"),
         },
     ),
 }

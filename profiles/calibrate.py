@@ -211,6 +211,49 @@ def fit_collectives(rows: list[dict]) -> list[CollectiveFit]:
     return fits
 
 
+def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    stage = PipelineStage(nn.Linear(16, 16), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.sum())
+    x = torch.randn(micro_batches, 16)
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=x, losses=[])
+        else:
+            schedule.step()
+
+    t = torch.tensor([_time_in_step(step, lambda: None, dist.barrier, repeats, rounds=1)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put(t.item())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_pipeline_overhead(processes: int, micro_batches: int = 8, repeats: int = 10) -> float:
+    """Seconds per micro-batch and stage boundary that a pipeline costs beside its compute and
+    its transfers' bytes: a 1F1B schedule over `processes` stages of a 16 x 16 linear layer;
+    its step is (m + pp - 1) slots, each a middle stage's forward and backward, with two
+    boundaries, so the figure is step / (m + pp - 1) / 2 (per boundary, at 2 stages: / 1)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, queue), nprocs=processes, join=True)
+    step = queue.get()
+    return step / (micro_batches + processes - 1) / (2 if processes > 2 else 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rates
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +425,11 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
     for count in processes:
         on_progress(f"collectives in {count} processes")
         rows += measure_collectives(count, device)
+    if device == "cpu":
+        on_progress(f"a pipeline of {max(processes)} stages")
+        put("pipeline_overhead_s", measure_pipeline_overhead(max(processes)),
+            f"a 1F1B schedule over {max(processes)} stages of a 16x16 linear layer, 8 micro-batches: "
+            "step / (m + pp - 1) / 2 boundaries")
     fits = fit_collectives(rows)
     for f in fits:
         notes.append(f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s "

@@ -26,6 +26,7 @@ import json
 import statistics
 import time
 import warnings
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -433,8 +434,7 @@ def measure_fsdp_overhead(layer: nn.Module, x: torch.Tensor, mesh, opts: Profile
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
-    bare_f, bare_b = measure_time(layer, layer, x, opts)
-    out = {}
+    units = {}
     for mode in FSDP_MODES + ("replicate_sync",):
         unit = copy.deepcopy(layer)
         if mode.startswith("replicate"):
@@ -442,9 +442,18 @@ def measure_fsdp_overhead(layer: nn.Module, x: torch.Tensor, mesh, opts: Profile
             unit.set_requires_gradient_sync(mode == "replicate_sync", recurse=False)
         else:
             fully_shard(unit, mesh=mesh, reshard_after_forward=mode == "shard")
-        f, b = measure_time(unit, unit, x, opts)
-        out[mode] = max(0.0, f + b - bare_f - bare_b)
-        del unit
+        units[mode] = unit
+    # Interleaved, so that a slow patch of the machine hits every variant alike; the median of
+    # each variant's paired differences from the bare layer.
+    diffs: dict[str, list[float]] = {mode: [] for mode in units}
+    quick = dataclasses.replace(opts, warmup=1, repeats=1)
+    for rep in range(2 + 2 * opts.repeats):
+        bare = sum(measure_time(layer, layer, x, quick))
+        for mode, unit in units.items():
+            wrapped = sum(measure_time(unit, unit, x, quick))
+            if rep >= 2:
+                diffs[mode].append(wrapped - bare)
+    out = {mode: max(0.0, statistics.median(d)) for mode, d in diffs.items()}
     out["replicate_sync"] = max(0.0, out["replicate_sync"] - out["replicate"])
     return out
 
