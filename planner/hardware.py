@@ -505,6 +505,8 @@ _KNEE = ("engineering estimate: a dimension d below the kernels' 128-256 tiles w
 _OVERLAP_GPU = ("assumption, not yet measured: NCCL runs on its own CUDA streams, so FSDP2's prefetched "
                 "all-gathers and reduce-scatters run beside compute; the runtime's step breakdown on a GPU "
                 "will measure it")
+_PIPE_GPU = ("not measured on a GPU yet (0): the schedule's per-micro-batch bookkeeping is then left to the "
+             "send latency of the link figures; `plan calibrate --device cuda` will measure it")
 _HBM_EFF = ("engineering estimate: streaming copies reach about 90% of the HBM datasheet figure on Ampere "
             "and Hopper parts (a 4 GiB device copy is a typical measurement); `plan calibrate --device cuda` "
             "measures it")
@@ -560,6 +562,7 @@ def _hopper_sources(gpu: str, ds: str, memory_src: str, hbm_src: str, bf16_src: 
         "matmul_knee": _KNEE,
         "attention_efficiency": _FA3,
         "memory_efficiency": _HBM_EFF,
+        "pipeline_overhead_s": _PIPE_GPU,
     }
 
 
@@ -593,6 +596,7 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
         "matmul_knee": _KNEE,
         "attention_efficiency": _FA2,
         "memory_efficiency": _HBM_EFF,
+        "pipeline_overhead_s": _PIPE_GPU,
     }
 
 
@@ -768,6 +772,7 @@ PRESETS: dict[str, Hardware] = {
             "matmul_knee": _KNEE,
             "attention_efficiency": "engineering estimate: FlashAttention-2 on Ada parts, 0.5 assumed (A100: 0.6)",
             "memory_efficiency": _HBM_EFF,
+            "pipeline_overhead_s": _PIPE_GPU,
         },
     ),
     "cpu": Hardware(
