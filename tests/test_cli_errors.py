@@ -160,3 +160,30 @@ def test_solve_nothing_fits_exits_3(small_profile, tmp_path):
     text = " ".join(result.output.split())
     assert "no layout fits" in text and "more than the" in text and "--memory-limit" in text
     assert not plan.exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--processes", "1"], ["--processes '1' must list counts of 2 or more"]),
+    (["--processes", "two"], ["is not a comma-separated list of integers"]),
+    (["--device", "tpu"], ["--device tpu is not cpu or cuda"]),
+    (["--base", "h300"], ["--base h300 is not a preset"]),
+])
+def test_bad_calibrate_flags(args, needles, tmp_path):
+    out = tmp_path / "cluster.toml"
+    result = run(["calibrate", "-o", str(out), *args], tmp_path)
+    assert_one_sentence_error(result, needles)
+    assert not out.exists()
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path):
+    result = run(["calibrate", "-o", str(tmp_path / "missing" / "cluster.toml")], tmp_path)
+    assert_one_sentence_error(result, ["does not exist; create it or give another path"])
+    result = run(["calibrate", "-o", str(tmp_path)], tmp_path)
+    assert_one_sentence_error(result, ["is a directory; give a file name"])
+
+
+def test_bad_threads_flag(tmp_path):
+    out = tmp_path / "profile.json"
+    result = run(["profile", "examples/gpt.py", "-o", str(out), "--threads", "0"], tmp_path)
+    assert_one_sentence_error(result, ["--threads is 0; give 1 or more"])
+    assert not out.exists()
