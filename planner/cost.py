@@ -290,8 +290,8 @@ class CostModel:
         tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
         tp_comm = tp_fwd * (2 if checkpoint else 1) \
             + self.collective_s("all_reduce", s.tp_bwd_comm_bytes, t, cand, count=s.tp_bwd_comm_count)
-        gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand)
-        reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand)
+        gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t)
+        reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t)
         fsdp_comm = sync = 0.0
         if mode == "shard":
             fsdp_comm = 2 * gather               # forward, and again in backward (resharded after forward)
@@ -313,7 +313,7 @@ class CostModel:
             step_s += lp.fsdp_overhead_s.get("replicate_sync", 0.0) * self.compute_scale(cand)   # its reduction's copies
         if zero1 and d > 1:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
-            step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand)
+            step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm)
 
@@ -333,30 +333,30 @@ class CostModel:
         per_stage = ranks / pp                    # ranks of one stage on the node (dp x tp)
         return sum(max(1.0, min(k + 1, pp, m, slots - k) * per_stage / cores) for k in range(slots)) / slots
 
-    def collective_terms(self, kind: str, group: int, cand: Candidate) -> tuple[float, float]:
+    def collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None = None) -> tuple[float, float]:
         """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
         the calibrated fit (plan calibrate) where there is one, else the ring model on the link
-        the group spans (TP groups are consecutive ranks; DP groups stride over tp; a pipeline
+        across the `span` consecutive ranks the group covers (default `group`: TP groups are
+        consecutive ranks; a DP group strides over tp, so it spans dp x tp; a pipeline
         neighbour is dp x tp ranks away)."""
         if group <= 1:
             return 0.0, 0.0
         fit = self.hw.collective(kind, group, min(cand.world_size, self.gpus_per_node))
         if fit is not None:
             return fit.latency_s, 1.0 / fit.bandwidth
-        span = {"all_reduce": group, "all_gather": group, "reduce_scatter": group, "broadcast": group}.get(kind, 2)
-        stride = cand.tp if kind != "send_recv" and group == cand.dp and group != cand.tp else 1
-        bw, lat = self._link(span * stride if kind != "send_recv" else cand.dp * cand.tp * 2)
+        bw, lat = self._link(span or group)
         if kind == "all_reduce":
             return 2 * (group - 1) * lat, 2 * (group - 1) / group / bw
         if kind in ("all_gather", "reduce_scatter"):
             return (group - 1) * lat, (group - 1) / group / bw
         return lat, 1.0 / bw                   # broadcast (pipelined), send/receive
 
-    def collective_s(self, kind: str, nbytes: float, group: int, cand: Candidate, count: int = 1) -> float:
+    def collective_s(self, kind: str, nbytes: float, group: int, cand: Candidate, count: int = 1,
+                     span: int | None = None) -> float:
         """`count` collectives moving `nbytes` in all (each nbytes / count)."""
         if group <= 1 or nbytes <= 0 or count <= 0:
             return 0.0
-        lat, per_byte = self.collective_terms(kind, group, cand)
+        lat, per_byte = self.collective_terms(kind, group, cand, span)
         return count * lat + nbytes * per_byte
 
     def exposed_s(self, comm: float, window: float) -> float:
@@ -450,7 +450,7 @@ class CostModel:
         *). Per micro-batch: its layers, the loss, and at each pipeline boundary the activation
         sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
         the gradient collectives that half the backward may hide."""
-        lat, per_byte = self.collective_terms("send_recv", 2, cand) if cand.pp > 1 else (0.0, 0.0)
+        lat, per_byte = self.collective_terms("send_recv", 2, cand, span=cand.dp * cand.tp * 2) if cand.pp > 1 else (0.0, 0.0)
         # A measured pipeline overhead (plan calibrate) includes the small send's latency.
         lat = self.hw.pipeline_overhead_s if self.hw.pipeline_overhead_s > 0 else 2 * lat
         return TimeTerms(per_micro_batch=layers_s + loss_s + boundaries * lat + 2 * sent_bytes * per_byte,

@@ -183,3 +183,15 @@ def test_fsdp_units_cost_their_measured_hooks_and_copies():
     for zero, extra in ((0, 1e-3), (1, 1e-3), (2, 3e-3), (3, 2e-3)):
         cand = Candidate(2, 1, 1, 1, 1, zero, "1f1b", True, False)
         assert model.layer(cand, 1, False, False).compute_s == pytest.approx(plain + extra)
+
+
+def test_link_fallback_spans_the_ranks_a_group_covers():
+    """Without calibrated fits: a DP group strides over tp, so dp 8 x tp 8 crosses nodes of 8."""
+    prof = tiny_profile()
+    hw = PRESETS["h100-sxm-80g"]
+    model = CostModel(prof, hw, 8, 1 << 40)
+    cand = Candidate(8, 8, 1, 1, 1, 3, "1f1b", True, False)
+    lat_dp, _ = model.collective_terms("all_gather", 8, cand, span=64)
+    lat_tp, _ = model.collective_terms("all_gather", 8, cand)
+    assert lat_dp == pytest.approx(7 * hw.inter_node_latency)
+    assert lat_tp == pytest.approx(7 * hw.intra_node_latency)
