@@ -144,6 +144,9 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
             torch.mm(a, b)
         sync()
 
+    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those.
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     rows = []
     for g in [d for d in range(2, world + 1) if world % d == 0]:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
@@ -159,9 +162,9 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                 if kind == "all_reduce":
                     fn = lambda: dist.all_reduce(whole, group=mine)                           # noqa: E731
                 elif kind == "all_gather":
-                    fn = lambda: dist.all_gather_into_tensor(whole, part, group=mine)          # noqa: E731
+                    fn = lambda: all_gather(whole, part, group=mine)                           # noqa: E731
                 elif kind == "reduce_scatter":
-                    fn = lambda: dist.reduce_scatter_tensor(part, whole, group=mine)           # noqa: E731
+                    fn = lambda: reduce_scatter(part, whole, group=mine)                       # noqa: E731
                 elif kind == "broadcast":
                     fn = lambda: dist.broadcast(whole, group=mine, group_src=0)                # noqa: E731
                 elif me == 0:

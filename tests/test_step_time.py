@@ -195,3 +195,16 @@ def test_link_fallback_spans_the_ranks_a_group_covers():
     lat_tp, _ = model.collective_terms("all_gather", 8, cand)
     assert lat_dp == pytest.approx(7 * hw.inter_node_latency)
     assert lat_tp == pytest.approx(7 * hw.intra_node_latency)
+
+
+def test_collectives_are_measured_for_every_kind_in_real_processes():
+    """Two gloo processes: every kind at every size, each positive, a MiB slower than a KiB."""
+    pytest.importorskip("torch")
+    from profiles.calibrate import measure_collectives
+    rows = measure_collectives(2, sizes=(1 << 10, 1 << 20), repeats=3)
+    got = {(r["kind"], r["bytes"]): r["seconds"] for r in rows}
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+    assert set(got) == {(k, b) for k in kinds for b in (1 << 10, 1 << 20)}
+    assert all(t > 0 for t in got.values())
+    assert sum(got[k, 1 << 20] for k in kinds) > sum(got[k, 1 << 10] for k in kinds)
+    assert {r["processes"] for r in rows} == {2} and {r["group"] for r in rows} == {2}
