@@ -10,8 +10,9 @@ layers of every stage together into a `Prediction`. The MILP in `milp.py` uses t
 How each knob is costed (it mirrors what runtime/ does):
 - tensor parallelism (tp): the profile's tp = 2 measurements split every figure into a
   replicated and a sharded part, f(t) = r + s/t; parameter bytes come from the shapes and
-  the dim the tp_plan shards; each all-reduce the layer's TP collectives run costs a ring
-  all-reduce inside the node.
+  the dim the tp_plan shards; each of the layer's TP all-reduces costs the hardware's
+  calibrated all-reduce (plan calibrate), or a ring all-reduce inside the node where none was
+  measured (collective_terms).
 - data parallelism and ZeRO: the plain path (no wrapper) when dp == 1, no layer is
   offloaded and precision is not mixed; otherwise every layer is an FSDP2 unit:
   zero 3 and offloaded layers `fully_shard` (reshard after forward), zero 2 `fully_shard`
@@ -19,7 +20,10 @@ How each knob is costed (it mirrors what runtime/ does):
   optimizer). Sharded sizes are FSDP2's: dim 0 padded to a multiple of dp.
 - pipeline parallelism: per stage, the schedule's order of forwards and backwards (see
   memory.schedule_actions); the stage input and output of every in-flight micro-batch are
-  held; step time (m + pp - 1) x the slowest stage's time per micro-batch.
+  held; step time (m + pp - 1) x the slowest stage's time per micro-batch (time_terms: each
+  boundary adds the hardware's pipeline overhead and the activation's bytes both ways).
+- CPU processes: a rank's compute is slowed where more ranks are busy than the cores run at
+  full speed (compute_scale); FSDP2 units add their measured hooks and copies.
 - checkpointing: the layer's checkpointed figures; its forward runs again in backward.
 - offload: the layer's parameters, gradients and optimizer states leave the device; each
   micro-batch copies its parameter shard in (forward and backward) and its gradient shard
