@@ -38,7 +38,7 @@ from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.search import Solution, SolveOptions, search  # noqa: E402
-from planner.verify import compare, compare_time, load_run  # noqa: E402
+from planner.verify import MEASURED_COMPONENTS, compare, compare_time, load_run  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -166,7 +166,7 @@ def main() -> None:
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     raw.to_csv(out / "time_fidelity.csv", index=False)
-    comps = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
+    comps = MEASURED_COMPONENTS
     md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --runs {args.runs}` on {os.cpu_count()} CPU cores, "
           f"{time.strftime('%Y-%m-%d')}: every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
           f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "

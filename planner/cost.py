@@ -114,7 +114,7 @@ class StagePrediction:
     memory: StageMemory
     micro_batch_s: float    # one micro-batch's forward + backward on this stage, comms included
     step_extra_s: float     # once per step: exposed gradient sync + optimizer
-    parts: dict[str, float] = field(default_factory=dict)  # micro_batch_s and step_extra_s by component (TIME_COMPONENTS)
+    parts: dict[str, float] = field(default_factory=dict)  # micro_batch_s and step_extra_s by component (stage_parts)
 
 
 @dataclass
@@ -134,10 +134,6 @@ class Prediction:
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.memory_limit
-
-
-# What a step's time is made of, as the runtime's breakdown (runtime/breakdown.py) names it too.
-TIME_COMPONENTS = ("compute", "tp_comm", "dp_comm", "offload", "p2p", "bubble", "optimizer")
 
 
 def uses_fsdp(dp: int, precision: str, any_offload: bool) -> bool:

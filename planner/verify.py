@@ -36,6 +36,11 @@ def load_run(path: str | Path) -> dict:
     return doc
 
 
+# The components the runtime's breakdown measures a step in (runtime/breakdown.py), and the
+# rows predicted vs measured time is compared in.
+MEASURED_COMPONENTS = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
+
+
 @dataclass
 class TimeRow:
     component: str        # compute | tp_comm | dp_comm | p2p (with the bubble) | optimizer | other
@@ -52,10 +57,11 @@ def compare_time(plan: Plan, run: dict) -> tuple[list[TimeRow], int | None]:
             return [], None
         slowest = max(ranks, key=lambda r: r["median_step_s"])
         pred = dict(plan.predicted.get("components_s", {}))
+        # The breakdown sees the bubble as waiting on a receive, and offload copies inside FSDP2's hooks.
         pred["p2p"] = pred.get("p2p", 0.0) + pred.pop("bubble", 0.0)
         pred["dp_comm"] = pred.get("dp_comm", 0.0) + pred.pop("offload", 0.0)
         rows = [TimeRow(k, float(pred.get(k, 0.0)), float(slowest["breakdown_s"].get(k, 0.0)))
-                for k in ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")]
+                for k in MEASURED_COMPONENTS]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
     return rows, slowest["rank"]

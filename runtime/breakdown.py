@@ -25,8 +25,9 @@ from typing import Callable
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from planner.verify import MEASURED_COMPONENTS as COMPONENTS
+
 OPTIMIZER_MARK = "plan::optimizer"
-COMPONENTS = ("compute", "tp_comm", "dp_comm", "p2p", "optimizer", "other")
 
 
 def component_of(name: str) -> str | None:
