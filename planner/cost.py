@@ -20,8 +20,9 @@ How each knob is costed (it mirrors what runtime/ does):
   optimizer). Sharded sizes are FSDP2's: dim 0 padded to a multiple of dp.
 - pipeline parallelism: per stage, the schedule's order of forwards and backwards (see
   memory.schedule_actions); the stage input and output of every in-flight micro-batch are
-  held; step time (m + pp - 1) x the slowest stage's time per micro-batch (time_terms: each
-  boundary adds the hardware's pipeline overhead and the activation's bytes both ways).
+  held; the step takes every stage's time per micro-batch once plus m - 1 times the
+  slowest stage's (pipeline_step_s, Alpa's formula; time_terms: each boundary adds the
+  hardware's pipeline overhead and the activation's bytes both ways).
 - CPU processes: a rank's compute is slowed where more ranks are busy than the cores run at
   full speed (compute_scale); FSDP2 units add their measured hooks and copies.
 - checkpointing: the layer's checkpointed figures; its forward runs again in backward.
@@ -456,6 +457,19 @@ class CostModel:
         return TimeTerms(per_micro_batch=layers_s + loss_s + boundaries * lat + 2 * sent_bytes * per_byte,
                          step=step_s, sync_minus_window=sync_s - self.hw.collective_overlap * 0.5 * compute_s)
 
+    @staticmethod
+    def pipeline_step_s(m: int, stages_total, slowest, fullest_once):
+        """The step of m micro-batches through a pipeline, the one definition of it: each
+        stage's time per micro-batch once (`stages_total`, their sum: the first micro-batch
+        fills the pipeline and the last drains it), m - 1 more of the `slowest` stage's, and
+        the `fullest_once` stage's once-per-step work. The critical path through the slowest
+        stage, Alpa's pipeline latency (Zheng et al., OSDI 2022, eq. 2), for 1F1B and GPipe
+        alike; with equal stages it is the familiar (m + pp - 1) x the stage time. Exact for
+        GPipe, an upper estimate for 1F1B, which can overlap the slowest stage's backwards
+        with later stages' work (docs/cost-model.md gives the simulated error). Numbers or
+        the MILP's affine expressions."""
+        return stages_total + (m - 1) * slowest + fullest_once
+
     def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:
         """Activation bytes a stage from layer `first` to `last` exchanges with its neighbours per micro-batch."""
         b = cand.micro_batch_size
@@ -492,19 +506,20 @@ class CostModel:
         m, pp = cand.num_micro_batches, cand.pp
         slowest = max(preds, key=lambda p: p.micro_batch_s)
         fullest = max(preds, key=lambda p: p.step_extra_s)
-        step = (m + pp - 1) * slowest.micro_batch_s + fullest.step_extra_s
+        step = self.pipeline_step_s(m, sum(p.micro_batch_s for p in preds), slowest.micro_batch_s,
+                                    fullest.step_extra_s)
         flops = sum(self.layer(cand, i, False, False).model_flops for i in range(self.profile.n_layers)) \
             + self.loss(cand).model_flops
         # Per step: every dp replica runs m micro-batches; TP ranks each did 1/tp of the FLOPs
         # already (the profile's tp figures), so count tp of them.
         total_flops = flops * m * cand.dp * cand.tp
         mfu = total_flops / (step * cand.world_size * self.hw.flops(self.precision)) if step > 0 else 0.0
-        # The step by component: m micro-batches of the slowest stage, the bubble, and the
-        # once-per-step work of the stage with the most of it.
+        # The step by component: m micro-batches of the slowest stage, the bubble (the other
+        # stages' one micro-batch each), and the once-per-step work of the stage with the most of it.
         sp, fp = slowest.parts, fullest.parts
         comps = {k: m * sp[k] for k in ("compute", "tp_comm", "offload", "p2p")}
         comps["dp_comm"] = m * sp["dp_comm"] + fp["dp_sync"]
-        comps["bubble"] = (pp - 1) * slowest.micro_batch_s
+        comps["bubble"] = sum(p.micro_batch_s for p in preds) - slowest.micro_batch_s
         comps["optimizer"] = fp["optimizer"]
         comps["total"] = step
         return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,

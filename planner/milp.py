@@ -19,8 +19,9 @@ at the segment's first or last layer; the MILP constrains exactly those records,
 by whether the segment has one (or two) layers. A tensor two neighbouring layers keep is
 counted once: `kp` says whether the layer before a segment keeps its output.
 
-Time: every stage's time per micro-batch is at most `tau`; the step takes
-(m + pp - 1) * tau plus the slowest stage's once-per-step work `omega`.
+Time: every stage's time per micro-batch is at most `tau`; the step is
+CostModel.pipeline_step_s of the stages' times per micro-batch, `tau`, and the slowest
+stage's once-per-step work `omega`.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (ms)
     exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward (ms)
 
-    prob += (m + S - 1) * tau + omega, "step_time"
+    stage_times = {}                             # each stage's time per micro-batch (ms), built below
 
     # -- layer costs per (run, choice); every layer of a run costs the same -----------------
     cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in choices}
@@ -435,10 +436,14 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             step_s=pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg),
             sync_s=pulp.lpSum(cost[r, c].sync_s * L[r, s, c] for r, c in seg),
             compute_s=pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg))
-        prob += tau >= terms.per_micro_batch * MS, f"time_s{s}_per_micro_batch"
+        stage_times[s] = terms.per_micro_batch * MS
+        prob += tau >= stage_times[s], f"time_s{s}_per_micro_batch"
         if any(cost[k].sync_s for k in cost):
             prob += exposed[s] >= terms.sync_minus_window * MS, f"time_s{s}_exposed_sync"
         prob += omega >= exposed[s] + terms.step * MS, f"time_s{s}_once_per_step"
+
+    step_time = model.pipeline_step_s(m, pulp.lpSum(stage_times.values()), tau, omega)
+    prob += step_time, "step_time"
 
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and
@@ -461,7 +466,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # Only a layout that could enter the top K is wanted. The bound lets the solver discard
         # whole branches at once; proving nothing is under it is usually far quicker than
         # finding the candidate's own optimum. (The tolerance keeps exact ties.)
-        prob += (m + S - 1) * tau + omega <= cutoff * MS * (1 + 1e-6), "cutoff_kth_best_step_time"
+        prob += step_time <= cutoff * MS * (1 + 1e-6), "cutoff_kth_best_step_time"
 
     status = _solve(prob, solver, time_limit)
     if cutoff is not None and status == "infeasible":

@@ -177,10 +177,12 @@ def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
 def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     """No layout of this candidate is faster.
 
-    step = (m + pp - 1) * tau + omega, with tau at least every stage's time per micro-batch
-    and omega at least every stage's once-per-step work (CostModel.time_terms: optimizer and
+    step = sum of the stages' times per micro-batch + (m - 1) * tau + omega
+    (CostModel.pipeline_step_s), with tau at least every stage's time per micro-batch and
+    omega at least every stage's once-per-step work (CostModel.time_terms: optimizer and
     broadcasts, plus gradient collectives less what half the backward hides, never below 0).
-    Both are at least their average over stages, which is a sum over layers, so
+    Both are at least their average over stages, and the stages' times add up to at least
+    their layers' and the loss's, so
         step >= sum over layers of min over choices of ((m + pp - 1) * t + once + sync - hidden) / pp
     and the same without the sync term; also tau is at least the fullest stage's time. Each
     layer's best choice is taken on its own: a lower bound.
@@ -205,7 +207,8 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         without_sync += length * best_wo
         fullest_run = max(fullest_run, -(-length // pp) * best_t)
         fastest_each += [best_t] * length
-    loss = (m + pp - 1) * model.loss(cand).compute_s
+    loss_s = model.loss(cand).compute_s
+    loss = (m + pp - 1) * loss_s
     # Some stage holds at least ceil(n / pp) layers, so it takes at least as long as that
     # many of the fastest layers; with pp > 1 it also exchanges one activation.
     n = len(fastest_each)
@@ -214,7 +217,8 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         smallest = min(model.sample(i, cand.micro_batch_size, cand.tp).input_bytes
                        for start, length in runs for i in (start, start + length - 1) if i > 0)
         fullest += model.time_terms(cand, 0.0, 0.0, smallest, 1, 0.0, 0.0, 0.0).per_micro_batch
-    return max((with_sync + loss) / pp, (without_sync + loss) / pp, (m + pp - 1) * fullest)
+    return max((with_sync + loss) / pp, (without_sync + loss) / pp,
+               model.pipeline_step_s(m, sum(fastest_each) + loss_s, fullest, 0.0))
 
 
 def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
@@ -319,7 +323,7 @@ def can_only_tie_twin(model: CostModel, cand: Candidate, choices, one_f_one_b: d
     """Whether a GPipe candidate can at best tie its solved 1F1B twin (same degrees,
     micro-batching, ZeRO), or cannot beat the K-th best (`cutoff`).
 
-    Both schedules take (m + pp - 1) x the slowest stage, so with no memory limit they share
+    Both schedules take CostModel.pipeline_step_s, so with no memory limit they share
     the fastest layout, a lower bound for both. If the twin already reached that time, no GPipe
     layout is faster; the tie is not listed twice. If that bound is above the cutoff, no GPipe
     layout enters the top K. (1F1B candidates are visited first: they sort before GPipe.)

@@ -208,3 +208,54 @@ def test_collectives_are_measured_for_every_kind_in_real_processes():
     assert all(t > 0 for t in got.values())
     assert sum(got[k, 1 << 20] for k in kinds) > sum(got[k, 1 << 10] for k in kinds)
     assert {r["processes"] for r in rows} == {2} and {r["group"] for r in rows} == {2}
+
+
+def simulate_pipeline(schedule: str, fwd: list[float], bwd: list[float], m: int) -> float:
+    """Makespan of one step when every stage runs memory.schedule_actions' order and an action
+    starts once its stage is free and its inputs exist: F(s, j) after F(s - 1, j); B(s, j)
+    after F(s, j) and B(s + 1, j). Sends are free."""
+    from planner.memory import schedule_actions
+    pp = len(fwd)
+    orders = [schedule_actions(schedule, pp, s, m) for s in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    clock, pos = [0.0] * pp, [0] * pp
+    while any(pos[s] < len(orders[s]) for s in range(pp)):
+        moved = False
+        for s in range(pp):
+            while pos[s] < len(orders[s]):
+                kind, j = orders[s][pos[s]]
+                deps = ([("F", s - 1, j)] if s > 0 else []) if kind == "F" else \
+                    [("F", s, j)] + ([("B", s + 1, j)] if s < pp - 1 else [])
+                if not all(d in done for d in deps):
+                    break
+                clock[s] = max([clock[s]] + [done[d] for d in deps]) + (fwd[s] if kind == "F" else bwd[s])
+                done[kind, s, j] = clock[s]
+                pos[s] += 1
+                moved = True
+        assert moved, "the schedule deadlocked"
+    return max(clock)
+
+
+def test_pipeline_step_matches_a_simulation_of_the_schedule():
+    """CostModel.pipeline_step_s (Alpa's latency) against the schedules run action by action:
+    exact for GPipe when one stage is slowest both ways, exact for 1F1B when the slowest stage
+    is the last, never below 1F1B's makespan otherwise (it may overlap the slowest stage's
+    backwards with the later stages' work), and far closer than (m + pp - 1) x the slowest."""
+    rng = random.Random(3)
+    over_1f1b, over_old = [], []
+    for _ in range(400):
+        pp, m = rng.choice([2, 3, 4, 8]), rng.choice([1, 2, 4, 8, 16])
+        fwd = [rng.uniform(1, 10) for _ in range(pp)]
+        bwd = [2 * f for f in fwd]                       # one ratio: the slowest stage is slowest both ways
+        t = [f + b for f, b in zip(fwd, bwd)]
+        formula = CostModel.pipeline_step_s(m, sum(t), max(t), 0.0)
+        assert formula == pytest.approx(simulate_pipeline("gpipe", fwd, bwd, m), rel=1e-9)
+        sim = simulate_pipeline("1f1b", fwd, bwd, m)
+        assert formula >= sim * (1 - 1e-9)
+        over_1f1b.append(formula / sim - 1)
+        over_old.append((m + pp - 1) * max(t) / sim - 1)
+        k = t.index(max(t))                              # move the slowest stage last
+        for xs in (fwd, bwd, t):
+            xs[k], xs[-1] = xs[-1], xs[k]
+        assert formula == pytest.approx(simulate_pipeline("1f1b", fwd, bwd, m), rel=1e-9)
+    assert sorted(over_1f1b)[len(over_1f1b) // 2] < 0.05 < sorted(over_old)[len(over_old) // 2]
