@@ -34,9 +34,10 @@ def expected_errors():
     """The exceptions that mean bad input (one sentence each), not a bug."""
     from planner.hardware import HardwareError
     from planner.plan import PlanError
+    from planner.run_report import RunReportError
     from planner.search import SolveError
     from profiles.schema import ProfileError
-    errors = (HardwareError, PlanError, SolveError, ProfileError)
+    errors = (HardwareError, PlanError, RunReportError, SolveError, ProfileError)
     try:
         from profiles.model_file import ModelFileError
         errors += (ModelFileError,)
@@ -185,7 +186,8 @@ def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run
             from planner.plan import load_plan
             print_plan(load_plan(path))
         elif kind == "run":
-            print_run(json.loads(path.read_text()))
+            from planner.run_report import load_run
+            print_run(load_run(path))
         else:
             fail(f"{path} is not a profile, plan or run document (its 'kind' is {kind!r}).")
     except expected_errors() as e:
@@ -359,16 +361,16 @@ def print_plan(plan) -> None:
     for col in ("stage", "layers", "checkpointed", "offloaded", "weights", "grads", "optimizer", "activations",
                 "buffers", "peak", "peak during"):
         t.add_column(col, justify="left" if col in ("layers", "checkpointed", "offloaded", "peak during") else "right")
-    for st, ps in zip(plan.stages, pred.get("stages", [])):
+    for st, ps in zip(plan.stages, pred.stages if pred else []):
         idx = [lc.index for lc in st.layers]
         t.add_row(str(st.index), f"{idx[0]}-{idx[-1]}", _ranges([lc.index for lc in st.layers if lc.checkpoint]),
-                  _ranges([lc.index for lc in st.layers if lc.offload]), mib(ps["weights_bytes"]), mib(ps["grads_bytes"]),
-                  mib(ps["optimizer_bytes"]), mib(ps["activations_bytes"]), mib(ps["buffers_bytes"]),
-                  mib(ps["peak_bytes"]), ps["peak_phase"])
+                  _ranges([lc.index for lc in st.layers if lc.offload]), mib(ps.weights_bytes), mib(ps.grads_bytes),
+                  mib(ps.optimizer_bytes), mib(ps.activations_bytes), mib(ps.buffers_bytes),
+                  mib(ps.peak_bytes), ps.peak_phase)
     out.print(t)
     if pred:
-        out.print(f"predicted step {pred['step_time_s']:.4f} s, {pred['samples_per_s']:,.1f} samples/s, "
-                  f"MFU {100 * pred['mfu']:.1f}%, peak {mib(pred['peak_bytes'])} of {mib(plan.memory_limit_bytes)} MiB")
+        out.print(f"predicted step {pred.step_time_s:.4f} s, {pred.samples_per_s:,.1f} samples/s, "
+                  f"MFU {100 * pred.mfu:.1f}%, peak {mib(pred.peak_bytes)} of {mib(plan.memory_limit_bytes)} MiB")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -441,7 +443,8 @@ def verify(
 ):
     """Predicted vs measured peak memory and step time, per stage; non-zero exit past --tolerance."""
     from planner.plan import load_plan
-    from planner.verify import VerifyError, compare, compare_time, load_run
+    from planner.run_report import load_run
+    from planner.verify import VerifyError, compare, compare_time
     try:
         plan = load_plan(plan_path)
         run_doc = load_run(run_path)
@@ -460,7 +463,7 @@ def verify(
                   f"[{colour}]{r.error_pct:+.2f}%[/]")
     out.print(t)
     out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
-    ran = {r.get("threads") for r in run_doc.get("ranks", []) if isinstance(r, dict)} - {None}
+    ran = {r.threads for r in run_doc.ranks}
     if plan.device_type == "cpu" and ran and ran != {plan.threads}:
         out.print(f"[yellow]note:[/] the ranks ran with {', '.join(map(str, sorted(ran)))} threads but the profile timed "
                   f"its layers with {plan.threads}; the step time assumes {plan.threads} (set OMP_NUM_THREADS={plan.threads}).",
@@ -479,15 +482,14 @@ def verify(
         raise typer.Exit(1)
 
 
-def print_run(doc: dict) -> None:
-    t = Table(title=f"run of {doc.get('plan_path')}: {doc.get('world_size')} ranks, {doc.get('steps')} steps")
+def print_run(run) -> None:
+    t = Table(title=f"run of {run.plan_path}: {run.world_size} ranks, {run.steps} steps")
     for col in ("rank", "pp", "dp", "tp", "peak MiB", "median step s"):
         t.add_column(col, justify="right")
-    for r in doc.get("ranks", []):
-        t.add_row(str(r["rank"]), str(r["pp_rank"]), str(r["dp_rank"]), str(r["tp_rank"]), mib(r["peak_bytes"]),
-                  f"{r['median_step_s']:.4f}")
+    for r in run.ranks:
+        t.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank), mib(r.peak_bytes), f"{r.median_step_s:.4f}")
     out.print(t)
-    out.print("losses: " + ", ".join(f"{x:.4f}" for x in doc.get("losses", [])))
+    out.print("losses: " + ", ".join(f"{x:.4f}" for x in run.losses))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ from planner.cost import Candidate, CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 from planner.search import Solution, SolveOptions  # noqa: E402
-from planner.verify import compare, load_run  # noqa: E402
+from planner.run_report import load_run  # noqa: E402
+from planner.verify import compare  # noqa: E402
 
 
 @dataclass
@@ -105,7 +106,7 @@ def run_case(model: str, case: Case, cache: dict, workdir: Path) -> list[dict]:
     prof, prof_path = profile(model, case.precision, cache)
     hw = get_hardware("cpu")
     offload = case.offload != "none"
-    fsdp = case.dp > 1 or offload or case.precision == "mixed"
+    fsdp = wraps_layers(case.dp, case.precision, offload)
     cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload)
     model_cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     stages = stages_for(prof.n_layers, case)

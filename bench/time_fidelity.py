@@ -38,7 +38,8 @@ from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.search import Solution, SolveOptions, search  # noqa: E402
-from planner.verify import MEASURED_COMPONENTS, compare, compare_time, load_run  # noqa: E402
+from planner.run_report import load_run  # noqa: E402
+from planner.verify import MEASURED_COMPONENTS, compare, compare_time  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 
 GLOBAL_BATCH = 16

@@ -9,26 +9,19 @@ from profiles.schema import Profile
 
 from .cost import CostModel, Prediction
 from .hardware import Hardware
-from .plan import LayerChoice, OptimizerConfig, Plan, Stage
+from .plan import LayerChoice, OptimizerConfig, Plan, Predicted, PredictedStage, Stage, fsdp_unit
 from .search import SearchResult, Solution, SolveOptions, search
 
 
-def prediction_json(pred: Prediction) -> dict:
-    return {
-        "stages": [{
-            "index": s.index,
-            "layers": s.layers,
-            **{f"{k}_bytes": v for k, v in s.memory.categories().items()},
-            "peak_phase": s.memory.phase,
-            "micro_batch_s": s.micro_batch_s,
-            "step_extra_s": s.step_extra_s,
-        } for s in pred.stages],
-        "peak_bytes": pred.peak_bytes,
-        "step_time_s": pred.step_s,
-        "components_s": pred.components,
-        "samples_per_s": pred.samples_per_s,
-        "mfu": pred.mfu,
-    }
+def predicted(pred: Prediction) -> Predicted:
+    """The cost model's prediction as the plan records it."""
+    return Predicted(
+        stages=[PredictedStage(index=s.index, layers=s.layers,
+                               **{f"{k}_bytes": v for k, v in s.memory.categories().items()},
+                               peak_phase=s.memory.phase, micro_batch_s=s.micro_batch_s, step_extra_s=s.step_extra_s)
+                for s in pred.stages],
+        peak_bytes=pred.peak_bytes, step_time_s=pred.step_s, components_s=pred.components,
+        samples_per_s=pred.samples_per_s, mfu=pred.mfu)
 
 
 def summary(sol: Solution) -> dict:
@@ -55,7 +48,8 @@ def launch_command(world_size: int, gpus_per_node: int, plan_path: str) -> str:
 def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_path: str, hw: Hardware,
                opts: SolveOptions, memory_limit: int, plan_path: str) -> Plan:
     c = sol.candidate
-    stages = [Stage(index=s, layers=[LayerChoice(i, bool(ck), bool(off)) for i, ck, off in st])
+    stages = [Stage(index=s, layers=[LayerChoice(i, bool(ck), bool(off), unit=fsdp_unit(c.fsdp, c.zero, bool(off)))
+                                     for i, ck, off in st])
               for s, st in enumerate(sol.stages)]
     return Plan(
         profile={"path": profile_path, "sha256": hashlib.sha256(Path(profile_path).read_bytes()).hexdigest(),
@@ -75,7 +69,7 @@ def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_
         stages=stages,
         seq_len=profile.seq_len,
         memory_limit_bytes=memory_limit,
-        predicted=prediction_json(sol.prediction),
+        predicted=predicted(sol.prediction),
         launch=launch_command(c.world_size, opts.node_size, plan_path),
         alternatives=[summary(o) for o in others],
     )

@@ -40,6 +40,7 @@ from profiles.schema import LayerProfile, LayerSample, Profile
 
 from .hardware import PRESETS, Hardware
 from .memory import LayerMemory, StageMemory, schedule_actions, walk_stage
+from .plan import fsdp_unit
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
@@ -137,11 +138,6 @@ class Prediction:
         return self.peak_bytes <= self.memory_limit
 
 
-def uses_fsdp(dp: int, precision: str, any_offload: bool) -> bool:
-    """Whether the runtime wraps layers as FSDP2 units (else the plain path)."""
-    return dp > 1 or precision == "mixed" or any_offload
-
-
 class CostModel:
     """Costs of layouts for one profile on one kind of hardware."""
 
@@ -216,14 +212,7 @@ class CostModel:
         n_tensors = len(shapes)
 
         # Which FSDP2 unit this layer is, and the sizes that follow from it.
-        if not cand.fsdp:
-            mode = "plain"
-        elif offload or cand.zero == 3:
-            mode = "shard"
-        elif cand.zero == 2:
-            mode = "shard_keep"
-        else:
-            mode = "replicate"
+        mode = fsdp_unit(cand.fsdp, cand.zero, offload)
         if mode in ("shard", "shard_keep"):
             shard_numel = sum(_padded_shard(sh, d) for sh in shapes)
         else:

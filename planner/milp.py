@@ -37,6 +37,7 @@ import pulp
 
 from .cost import Candidate, CostModel
 from .memory import schedule_actions
+from .plan import wraps_layers
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
 MS = 1e3                # time rows in milliseconds, memory rows as a fraction of the limit: keeps
@@ -203,7 +204,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
     for s in range(S):
         prob += pulp.lpSum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
-    if cand.fsdp and cand.dp == 1 and prof.precision != "mixed":
+    if cand.fsdp and not wraps_layers(cand.dp, prof.precision, any_offload=False):
         # One rank without mixed precision wraps layers in FSDP2 only to offload them; a layout
         # offloading nothing runs on the plain path, which is another candidate.
         prob += pulp.lpSum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"

@@ -14,12 +14,35 @@ from pathlib import Path
 
 from profiles.schema import read_json_document, write_json_atomic
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# What the runtime makes of a layer for data parallelism (runtime/parallelize.apply_fsdp):
+#   plain       no wrapper at all (one rank, nothing offloaded, no mixed precision)
+#   replicate   FSDP-based replicate: whole parameters, gradients all-reduced (ZeRO 0 and 1)
+#   shard       fully_shard, resharded after forward (ZeRO 3, and every offloaded layer)
+#   shard_keep  fully_shard keeping the unsharded parameters until backward (ZeRO 2)
+UNITS = ("plain", "replicate", "shard", "shard_keep")
 
 
 class PlanError(Exception):
     """A plan that cannot be used; the message is one sentence with the fix."""
+
+
+def wraps_layers(dp: int, precision: str, any_offload: bool) -> bool:
+    """Whether a layout's layers are FSDP2 units: to share with other dp ranks, to cast
+    under mixed precision, or to offload. Else the plain path, no wrapper."""
+    return dp > 1 or precision == "mixed" or any_offload
+
+
+def fsdp_unit(wrapped: bool, zero: int, offload: bool) -> str:
+    """Which unit (UNITS) a layer is, the one place it is decided: the cost model costs
+    it, plan.json records it per layer, the runtime applies it. An offloaded layer is always
+    fully sharded (CPUOffloadPolicy needs fully_shard)."""
+    if not wrapped:
+        return "plain"
+    if offload or zero == 3:
+        return "shard"
+    return "shard_keep" if zero == 2 else "replicate"
 
 
 @dataclass
@@ -27,12 +50,61 @@ class LayerChoice:
     index: int                 # position of the layer in the model's nn.Sequential
     checkpoint: bool = False   # non-reentrant activation checkpointing of the whole layer
     offload: bool = False      # parameters, gradients and optimizer states on the CPU (FSDP2 CPUOffloadPolicy)
+    unit: str = ""             # its FSDP2 unit (UNITS); "" when built by hand: Plan fills it in (fsdp_unit)
 
 
 @dataclass
 class Stage:
     index: int                 # pipeline stage; with the interleaved schedule, stage k runs on pp rank k % pp
     layers: list[LayerChoice]
+
+
+@dataclass
+class PredictedStage:
+    """What the planner predicts for one pipeline stage (bytes on its fullest rank)."""
+
+    index: int
+    layers: list[int]
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int      # at the peak
+    buffers_bytes: int          # at the peak: FSDP2 and pipeline buffers, the batch
+    peak_bytes: int
+    peak_phase: str             # the moment of the step the peak falls in (memory.walk_stage)
+    micro_batch_s: float        # the stage's time per micro-batch
+    step_extra_s: float         # its time once per step (optimizer, exposed gradient sync)
+
+
+@dataclass
+class Predicted:
+    """The planner's prediction for the whole step (planner.cost.Prediction, as written)."""
+
+    stages: list[PredictedStage]
+    peak_bytes: int
+    step_time_s: float
+    components_s: dict[str, float]    # the step by component (cost.Prediction.components); they add up to it
+    samples_per_s: float
+    mfu: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Predicted":
+        return cls(**{**d, "stages": [PredictedStage(**s) for s in d["stages"]]})
+
+    def problem(self) -> str | None:
+        """What is wrong with the figures a reader relies on, or None."""
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        for s in self.stages:
+            for name in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+                         "peak_bytes", "micro_batch_s", "step_extra_s"):
+                if not number(getattr(s, name)):
+                    return f"stage {s.index}'s predicted {name} is {getattr(s, name)!r}"
+        if not (number(self.step_time_s) and self.step_time_s > 0 and number(self.peak_bytes)):
+            return f"its predicted step time {self.step_time_s!r} or peak {self.peak_bytes!r} is not a positive number"
+        if not isinstance(self.components_s, dict) or not all(isinstance(v, (int, float)) for v in self.components_s.values()):
+            return "its predicted components are not seconds by component"
+        return None
 
 
 @dataclass
@@ -67,11 +139,26 @@ class Plan:
     seq_len: int | None = None
     seed: int = 0
     memory_limit_bytes: int = 0
-    predicted: dict = field(default_factory=dict)
+    predicted: Predicted | None = None   # None for a plan written by hand
     launch: str = ""
     alternatives: list[dict] = field(default_factory=list)
     schema: int = PLAN_SCHEMA_VERSION
     kind: str = "plan"
+
+    def __post_init__(self) -> None:
+        for stage in self.stages:
+            for lc in stage.layers:
+                lc.unit = lc.unit or fsdp_unit(self.wrapped_layout, self.zero, lc.offload)
+
+    @property
+    def wrapped_layout(self) -> bool:
+        """Whether this layout's layers are FSDP2 units (wraps_layers)."""
+        return wraps_layers(self.dp, self.precision, any(lc.offload for s in self.stages for lc in s.layers))
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the runtime wraps any layer (then each stage is a fully_shard root too)."""
+        return any(lc.unit != "plain" for s in self.stages for lc in s.layers)
 
     @property
     def n_layers(self) -> int:
@@ -106,8 +193,11 @@ class Plan:
         try:
             opt = OptimizerConfig(**{**d["optimizer"], "betas": tuple(d["optimizer"].get("betas", (0.9, 0.999)))})
             stages = [Stage(index=int(s["index"]), layers=[LayerChoice(**lc) for lc in s["layers"]]) for s in d["stages"]]
-            keys = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("optimizer", "stages")}
-            plan = cls(optimizer=opt, stages=stages, **keys)
+            if any(not lc.unit for st in stages for lc in st.layers):
+                raise KeyError("unit")
+            predicted = Predicted.from_json(d["predicted"]) if d.get("predicted") else None
+            keys = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("optimizer", "stages", "predicted")}
+            plan = cls(optimizer=opt, stages=stages, predicted=predicted, **keys)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{source} is damaged or hand-edited ({type(e).__name__}: {e}); solve again with `plan solve`.") from None
         plan.validate(source)
@@ -137,6 +227,15 @@ class Plan:
         order = [lc.index for s in sorted(self.stages, key=lambda s: s.index) for lc in s.layers]
         if order != list(range(len(order))) or any(not s.layers for s in self.stages):
             bad("its stages do not hold the layers 0, 1, 2, ... in order, each stage at least one")
+        for lc in (lc for s in self.stages for lc in s.layers):
+            want = fsdp_unit(self.wrapped_layout, self.zero, lc.offload)
+            if lc.unit != want:
+                bad(f"layer {lc.index} is a {lc.unit!r} unit where dp {self.dp}, ZeRO {self.zero} and its offload make it {want!r}")
+        if self.predicted is not None:
+            if [s.index for s in self.predicted.stages] != [s.index for s in self.stages]:
+                bad("its prediction's stages are not its stages")
+            if self.predicted.problem():
+                bad(self.predicted.problem())
         if self.pp > 1 and self.num_micro_batches < self.pp and self.schedule != "gpipe":
             bad(f"{self.schedule} needs at least pp = {self.pp} micro-batches, it has {self.num_micro_batches}")
 

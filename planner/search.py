@@ -18,6 +18,7 @@ from profiles.schema import Profile
 from .cost import Candidate, CostModel, Prediction, tp_divides
 from .hardware import Hardware
 from .milp import choices_for, runs_of, solve_layout
+from .plan import wraps_layers
 
 
 class SolveError(Exception):
@@ -162,15 +163,14 @@ def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
     zeros = [opts.zero] if opts.zero is not None else [0, 1, 2, 3]
     want_offload = opts.offload == "auto"
     for zero in zeros:
-        if dp == 1:
-            # Nothing to shard with: the plain path, or FSDP2 units when offloading or mixed
-            # precision need them (zero 3: each unit's unsharded copy lives only while it computes).
-            if zero == 0 and profile.precision != "mixed":
-                yield 0, False, False
-            if zero in (0, 3) and (profile.precision == "mixed" or want_offload):
-                if zero == 3 or profile.precision == "mixed":
-                    yield zero, True, want_offload
-        else:
+        if dp > 1:
+            yield zero, True, want_offload
+            continue
+        # Nothing to shard with: the plain path, or FSDP2 units where offloading or mixed
+        # precision needs them (zero 3: each unit's unsharded copy lives only while it computes).
+        if zero == 0 and not wraps_layers(1, profile.precision, any_offload=False):
+            yield 0, False, False
+        if wraps_layers(1, profile.precision, want_offload) and (zero == 3 or (zero == 0 and profile.precision == "mixed")):
             yield zero, True, want_offload
 
 
@@ -365,7 +365,7 @@ def simplify(model: CostModel, cand: Candidate, stages):
                     layer[flag] = False
                     trial = [list(x) for x in stages]
                     trial[s][j] = tuple(layer)
-                    if cand.fsdp and cand.dp == 1 and model.precision != "mixed" and not any(o for t in trial for _, _, o in t):
+                    if cand.fsdp and not wraps_layers(cand.dp, model.precision, any(o for t in trial for _, _, o in t)):
                         continue                      # this candidate exists only to offload
                     pred = model.evaluate(cand, trial)
                     if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):

@@ -7,15 +7,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from profiles.schema import read_json_document
-
 from .plan import Plan
-
-RUN_SCHEMA_VERSION = 1
+from .run_report import RunReport
 
 
 class VerifyError(Exception):
-    """A run document that cannot be compared; the message is one sentence with the fix."""
+    """A run that cannot be compared with its plan; the message is one sentence with the fix."""
 
 
 @dataclass
@@ -25,15 +22,6 @@ class StageRow:
     predicted: int        # bytes
     measured: int         # bytes: the largest peak among those ranks
     error_pct: float      # (predicted - measured) / measured, percent
-
-
-def load_run(path: str | Path) -> dict:
-    doc = read_json_document(path, "run", "create it with `plan run PLAN`", "run the plan again", VerifyError)
-    if doc.get("kind") != "run":
-        raise VerifyError(f"{path} is not a run document; pass the run.json the runtime wrote.")
-    if doc.get("schema") != RUN_SCHEMA_VERSION:
-        raise VerifyError(f"run {path} has schema {doc.get('schema')!r}, this plan reads {RUN_SCHEMA_VERSION}; run the plan again.")
-    return doc
 
 
 # The components the runtime's breakdown measures a step in (runtime/breakdown.py), and the
@@ -48,45 +36,45 @@ class TimeRow:
     measured: float       # seconds in the profiled step of the slowest rank
 
 
-def compare_time(plan: Plan, run: dict) -> tuple[list[TimeRow], int | None]:
+def compare_time(plan: Plan, run: RunReport) -> tuple[list[TimeRow], int | None]:
     """Predicted vs measured step time by component, for the rank with the slowest median
     step (its profiled step), and that rank; no rows when the run has no breakdown."""
-    try:
-        ranks = [r for r in run["ranks"] if r.get("breakdown_s")]
-        if not ranks:
-            return [], None
-        slowest = max(ranks, key=lambda r: r["median_step_s"])
-        pred = dict(plan.predicted.get("components_s", {}))
-        # The breakdown sees the bubble as waiting on a receive, and offload copies inside FSDP2's hooks.
-        pred["p2p"] = pred.get("p2p", 0.0) + pred.pop("bubble", 0.0)
-        pred["dp_comm"] = pred.get("dp_comm", 0.0) + pred.pop("offload", 0.0)
-        rows = [TimeRow(k, float(pred.get(k, 0.0)), float(slowest["breakdown_s"].get(k, 0.0)))
-                for k in MEASURED_COMPONENTS]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
-    return rows, slowest["rank"]
+    ranks = [r for r in run.ranks if r.breakdown_s]
+    if not ranks:
+        return [], None
+    slowest = max(ranks, key=lambda r: r.median_step_s)
+    pred = dict(predicted(plan).components_s)
+    # The breakdown sees the bubble as waiting on a receive, and offload copies inside FSDP2's hooks.
+    pred["p2p"] = pred.get("p2p", 0.0) + pred.pop("bubble", 0.0)
+    pred["dp_comm"] = pred.get("dp_comm", 0.0) + pred.pop("offload", 0.0)
+    rows = [TimeRow(k, float(pred.get(k, 0.0)), float(slowest.breakdown_s.get(k, 0.0))) for k in MEASURED_COMPONENTS]
+    return rows, slowest.rank
 
 
-def compare(plan: Plan, plan_path: str | Path, run: dict) -> tuple[list[StageRow], tuple[float, float]]:
+def compare(plan: Plan, plan_path: str | Path, run: RunReport) -> tuple[list[StageRow], tuple[float, float]]:
     """Rows per pipeline rank, and (predicted, measured) step seconds."""
     sha = hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()
-    if run.get("plan_sha256") != sha:
+    if run.plan_sha256 != sha:
         raise VerifyError(f"the run was made from a different plan than {plan_path} (its hash differs); run this plan with `plan run {plan_path}`.")
-    try:
-        ranks = run["ranks"]
-        if run["world_size"] != plan.world_size or len(ranks) != plan.world_size:
-            raise VerifyError(f"the run has {len(ranks)} ranks but the plan has {plan.world_size}; run this plan again.")
-        stages = plan.predicted["stages"]
-        rows = []
-        for pp_rank in range(plan.pp):
-            mine = [r for r in ranks if r["pp_rank"] == pp_rank]
-            predicted = max(s["peak_bytes"] for s in stages if s["index"] % plan.pp == pp_rank)
-            measured = max(r["peak_bytes"] for r in mine)
-            rows.append(StageRow(pp_rank, [r["rank"] for r in mine], predicted, measured,
-                                 100.0 * (predicted - measured) / measured))
-        # Every rank waits for the others each step, so they take the same time per step on
-        # the whole; the median over ranks of their median steps is the least noisy figure.
-        measured_step = statistics.median(r["median_step_s"] for r in ranks)
-    except (KeyError, TypeError, ValueError) as e:
-        raise VerifyError(f"the run or plan is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
-    return rows, (plan.predicted["step_time_s"], measured_step)
+    if run.world_size != plan.world_size:
+        raise VerifyError(f"the run has {run.world_size} ranks but the plan has {plan.world_size}; run this plan again.")
+    if {r.pp_rank for r in run.ranks} != set(range(plan.pp)):
+        raise VerifyError(f"the run's pipeline ranks are not the plan's 0..{plan.pp - 1}; run this plan again.")
+    stages = predicted(plan).stages
+    rows = []
+    for pp_rank in range(plan.pp):
+        mine = [r for r in run.ranks if r.pp_rank == pp_rank]
+        peak = max(s.peak_bytes for s in stages if s.index % plan.pp == pp_rank)
+        measured = max(r.peak_bytes for r in mine)
+        rows.append(StageRow(pp_rank, [r.rank for r in mine], peak, measured, 100.0 * (peak - measured) / max(measured, 1)))
+    # Every rank waits for the others each step, so they take the same time per step on
+    # the whole; the median over ranks of their median steps is the least noisy figure.
+    measured_step = statistics.median(r.median_step_s for r in run.ranks)
+    return rows, (predicted(plan).step_time_s, measured_step)
+
+
+def predicted(plan: Plan):
+    """The plan's prediction, or one sentence when it has none (a plan written by hand)."""
+    if plan.predicted is None:
+        raise VerifyError("the plan carries no prediction (it was not written by `plan solve`); solve one with `plan solve`.")
+    return plan.predicted

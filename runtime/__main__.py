@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -25,15 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.plan import Plan, PlanError, load_plan
+from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
-from profiles.schema import OPTIMIZERS, PRECISIONS, write_json_atomic
+from profiles.schema import OPTIMIZERS, PRECISIONS
 
 from .parallel_dims import ParallelDims
 from .pipeline import schedule_problem
 from .train import Trainer, build_model, reduce_losses
-
-RUN_SCHEMA_VERSION = 1
-
 
 class RunError(Exception):
     """A plan this launch cannot run; the message is one sentence with the fix."""
@@ -113,15 +110,14 @@ def device_name(plan: Plan) -> str:
     return torch.cuda.get_device_name() if plan.device_type == "cuda" else "cpu"
 
 
-def print_summary(run: dict) -> None:
+def print_summary(run: RunReport) -> None:
     console = Console()
-    losses = run["losses"]
-    console.print(f"{run['plan_path']}: {run['steps']} steps on {run['world_size']} x {run['device']}, "
-                  f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    console.print(f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "
+                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}", highlight=False)
     table = Table("rank", "pp", "dp", "tp", "stages", "peak MiB", "median step ms")
-    for r in run["ranks"]:
-        table.add_row(str(r["rank"]), str(r["pp_rank"]), str(r["dp_rank"]), str(r["tp_rank"]),
-                      ",".join(map(str, r["stages"])), f"{r['peak_bytes'] / 2**20:.1f}", f"{r['median_step_s'] * 1e3:.1f}")
+    for r in run.ranks:
+        table.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank),
+                      ",".join(map(str, r.stages)), f"{r.peak_bytes / 2**20:.1f}", f"{r.median_step_s * 1e3:.1f}")
     console.print(table)
 
 
@@ -137,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     del model  # the layers of other stages go with it
     local_losses, report = trainer.train(args.steps)
     losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, asdict(report))
+    reports: list[RankReport | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
-        run = {"schema": RUN_SCHEMA_VERSION, "kind": "run", "plan_path": args.plan,
-               "plan_sha256": hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
-               "world_size": plan.world_size, "steps": args.steps, "losses": losses,
-               "device": device_name(plan), "torch_version": torch.__version__, "ranks": reports}
-        write_json_atomic(args.out, run)
+        run = RunReport(plan_path=args.plan, plan_sha256=hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
+                        world_size=plan.world_size, steps=args.steps, losses=losses, device=device_name(plan),
+                        torch_version=torch.__version__, ranks=reports)
+        run.validate()                   # what verify will check: a bug here, not a bad run document
+        run.save(args.out)
         print_summary(run)
     dist.barrier()
     dist.destroy_process_group()

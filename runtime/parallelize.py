@@ -19,12 +19,6 @@ from profiles import tensor_parallel
 from profiles.model_file import ModelSpec, tp_plan_matches
 
 
-def uses_fsdp(plan: Plan) -> bool:
-    """False for the plain path: dp 1, nothing offloaded, no mixed precision -> no DP wrapper at all."""
-    offloads = any(lc.offload for stage in plan.stages for lc in stage.layers)
-    return plan.dp > 1 or offloads or plan.precision == "mixed"
-
-
 def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
     """Shard the layer's submodules that the model file's tp_plan names (the rest stay
     replicated), with the profiler's own split so that both measure the same layer."""
@@ -41,26 +35,26 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mixed" else MixedPrecisionPolicy()
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, zero: int, offload: bool, precision: str, device_type: str) -> None:
-    """Make the layer `module` one DP unit on the dp mesh.
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, lc: LayerChoice, precision: str, device_type: str) -> None:
+    """Make the layer `module` the DP unit plan.json names (planner.plan.UNITS) on the dp mesh.
 
-    zero 3 -> fully_shard (params resharded after forward); zero 2 -> fully_shard keeping the
-    unsharded params until backward; zero 0/1 -> FSDP-based replicate (ZeRO-1's optimizer
-    sharding is in ShardedOptimizer). An offloaded unit is always fully sharded on the host.
+    shard -> fully_shard (params resharded after forward; on the host when offloaded);
+    shard_keep -> fully_shard keeping the unsharded params until backward; replicate ->
+    FSDP-based replicate (ZeRO-1's optimizer sharding is in ShardedOptimizer); plain -> none.
     """
     mp = mixed_precision(precision)
-    if offload:
+    if lc.unit == "shard":
+        offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if lc.offload else None
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=True, mp_policy=mp,
-                    offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda"))
-    elif zero >= 2:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
-    else:
+                    **({"offload_policy": offload} if offload else {}))
+    elif lc.unit == "shard_keep":
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    elif lc.unit == "replicate":
         replicate(module, mesh=dp_mesh, mp_policy=mp)
 
 
 def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: ModelSpec, mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
     """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then make the stage the root DP unit."""
-    fsdp = uses_fsdp(plan)
     for lc in layers:
         name = str(lc.index)
         layer = stage.get_submodule(name)
@@ -69,9 +63,8 @@ def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: Mod
         if lc.checkpoint:
             layer = apply_ac(layer)
             stage.register_module(name, layer)
-        if fsdp:
-            apply_fsdp(layer, mesh["dp"], plan.zero, lc.offload, plan.precision, plan.device_type)
-    if fsdp:
+        apply_fsdp(layer, mesh["dp"], lc, plan.precision, plan.device_type)
+    if plan.wrapped:
         # The root owns no parameters (each belongs to a layer), so it is fully_shard whatever
         # the ZeRO stage: a replicate root's lazy init collects replicate units only, which
         # would leave offloaded (fully_shard) layers as roots of their own, outside the

@@ -13,7 +13,6 @@ import contextlib
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,12 +25,13 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.plan import Plan, Stage
+from planner.run_report import RankReport
 from profiles.live_memory import LiveMemory
 from profiles.model_file import ModelSpec, build_checked_model, call_make_batch
 
 from .breakdown import optimizer_region, profile_step
 from .parallel_dims import MESH_DIMS
-from .parallelize import parallelize_stage, uses_fsdp
+from .parallelize import parallelize_stage
 from .pipeline import build_pipeline_schedule, p2p_buffers
 from .sharded_optimizer import ShardedOptimizer, local
 
@@ -90,20 +90,6 @@ def fsdp_gather_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return out
 
 
-@dataclass
-class RankReport:
-    rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    stages: list[int]
-    peak_bytes: int
-    step_times_s: list[float]
-    median_step_s: float
-    threads: int = 1                                  # intra-op threads this rank ran with
-    breakdown_s: dict[str, float] | None = None       # the profiled last step by component (breakdown.COMPONENTS)
-    breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
-
 
 class Trainer:
     """This rank's stages of the model, parallelized as the plan says, with their optimizer."""
@@ -121,7 +107,7 @@ class Trainer:
         self.offloaded = [p for s, m in zip(stages, self.modules) for lc in s.layers if lc.offload
                           for p in m.get_submodule(str(lc.index)).parameters()]
         params = [p for m in self.modules for p in m.parameters()]
-        zero1 = uses_fsdp(plan) and plan.zero == 1 and plan.dp > 1
+        zero1 = plan.wrapped and plan.zero == 1 and plan.dp > 1
         offloaded_ids = {id(p) for p in self.offloaded}
         self.optimizer = ShardedOptimizer(params, plan.optimizer, mesh["dp"].get_group() if zero1 else None,
                                           replicated=[p for p in params if id(p) not in offloaded_ids])

@@ -74,3 +74,39 @@ def test_verify_refuses_a_run_of_another_plan(flow):
     proc = plan_cli("verify", "other_plan.json", "run.json", cwd=d)
     assert proc.returncode == 2
     assert "different plan" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
+
+
+def _truncated(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _edited(edit):
+    def apply(text: str) -> str:
+        doc = json.loads(text)
+        edit(doc)
+        return json.dumps(doc)
+    return apply
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_truncated, "is not valid JSON"),
+    (_edited(lambda d: d.__setitem__("kind", "profile")), "is not a run document"),
+    (_edited(lambda d: d.__setitem__("schema", 7)), "has schema 7"),
+    (_edited(lambda d: d["ranks"].pop()), "damaged or hand-edited (ValueError: 1 ranks for world size 2)"),
+    (_edited(lambda d: d["ranks"][0].__setitem__("median_step_s", "fast")), "rank 0's median_step_s is 'fast'"),
+    (_edited(lambda d: d["ranks"][1].pop("peak_bytes")), "damaged or hand-edited (TypeError"),
+    (_edited(lambda d: d.__setitem__("losses", [])), "0 losses for 3 steps"),
+])
+def test_verify_and_show_refuse_a_damaged_or_foreign_run(flow, damage, needle):
+    """run.json is a typed document (planner.run_report): a truncated, foreign or edited one
+    gets one sentence naming it and the fix, exit 2, in `plan verify` and `plan show`."""
+    d, _ = flow
+    (d / "damaged_run.json").write_text(damage((d / "run.json").read_text()))
+    commands = [("verify", "plan.json", "damaged_run.json")]
+    if "is not" not in needle:             # (show tells a document's kind from the file itself)
+        commands.append(("show", "damaged_run.json"))
+    for args in commands:
+        proc = plan_cli(*args, cwd=d)
+        text = " ".join(proc.stderr.split())
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert needle in text and "Traceback" not in proc.stderr and ("run the plan again" in text or "pass the run.json" in text), (args, text)

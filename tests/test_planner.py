@@ -3,6 +3,7 @@
 import copy
 import hashlib
 import itertools
+import json
 import random
 
 import pytest
@@ -249,3 +250,29 @@ def test_tensor_parallel_degree_divides_the_head_counts():
     assert {c.tp for c in enumerate_candidates(prof, opts)} == {1, 2}
     with pytest.raises(SolveError, match="head counts"):
         check_options(prof, SolveOptions(gpus=8, hardware=cpu_like(1 << 40), global_batch=16, tp=4))
+
+
+@pytest.mark.parametrize("dp, zero, precision, units", [
+    (1, 0, "fp32", ["replicate", "shard", "replicate"]),  # offloading one layer wraps every layer
+    (1, 0, "mixed", ["replicate", "shard", "replicate"]),
+    (2, 1, "fp32", ["replicate", "shard", "replicate"]),
+    (2, 2, "fp32", ["shard_keep", "shard", "shard_keep"]),
+    (2, 3, "fp32", ["shard", "shard", "shard"]),
+])
+def test_plan_records_each_layers_fsdp_unit_and_refuses_an_edited_one(dp, zero, precision, units):
+    """plan.json names every layer's FSDP2 unit (planner.plan.fsdp_unit, which the cost model
+    costs and the runtime applies); a unit edited by hand is refused with one sentence."""
+    from runtime_cases import make_plan
+    from planner.plan import Plan, PlanError
+    plan = make_plan(dp=dp, zero=zero, precision=precision, offload=(1,), n_layers=3)
+    assert [lc.unit for lc in plan.stages[0].layers] == units
+    d = json.loads(json.dumps(plan.to_json()))
+    assert [lc.unit for lc in Plan.from_json(d).stages[0].layers] == units
+    d["stages"][0]["layers"][2]["unit"] = "shard" if units[2] != "shard" else "replicate"
+    with pytest.raises(PlanError, match="layer 2 is a '.*' unit where dp .* make it"):
+        Plan.from_json(d)
+    del d["stages"][0]["layers"][2]["unit"]
+    with pytest.raises(PlanError, match="damaged or hand-edited"):
+        Plan.from_json(d)
+    plain = make_plan(dp=1, n_layers=3)
+    assert not plain.wrapped and {lc.unit for lc in plain.stages[0].layers} == {"plain"}

@@ -1,0 +1,96 @@
+"""The run document (run.json): what the runtime measured, rank by rank. Torch-free.
+
+The runtime writes it (rank 0, after every rank reported); `plan verify` holds it to the
+plan, `plan show` prints it. A document that is not one, of another schema, or damaged is
+refused with one sentence (RunReportError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from profiles.schema import read_json_document, write_json_atomic
+
+RUN_SCHEMA_VERSION = 1
+
+
+class RunReportError(Exception):
+    """A run document that cannot be used; the message is one sentence with the fix."""
+
+
+@dataclass
+class RankReport:
+    """One rank's measurements."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    stages: list[int]                                  # the pipeline stages this rank runs
+    peak_bytes: int                                    # device memory at the measured step's peak
+    step_times_s: list[float]                          # every step's wall time
+    median_step_s: float                               # the median of the timed steps (runtime/train.py)
+    threads: int = 1                                   # intra-op threads this rank ran with
+    breakdown_s: dict[str, float] | None = None        # the profiled last step by component (runtime/breakdown.py)
+    breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
+
+
+@dataclass
+class RunReport:
+    plan_path: str
+    plan_sha256: str           # of the plan.json that ran: verify refuses another plan's run
+    world_size: int
+    steps: int
+    losses: list[float]        # the global batch's mean loss per step
+    device: str                # "cpu" or the CUDA device's name
+    torch_version: str
+    ranks: list[RankReport] = field(default_factory=list)
+    schema: int = RUN_SCHEMA_VERSION
+    kind: str = "run"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        write_json_atomic(path, self.to_json())
+
+    @classmethod
+    def from_json(cls, d: dict, source: str = "run") -> "RunReport":
+        if not isinstance(d, dict) or d.get("kind") != "run":
+            raise RunReportError(f"{source} is not a run document; pass the run.json the runtime wrote.")
+        if d.get("schema") != RUN_SCHEMA_VERSION:
+            raise RunReportError(f"{source} has schema {d.get('schema')!r}, this plan reads {RUN_SCHEMA_VERSION}; run the plan again.")
+        try:
+            ranks = [RankReport(**r) for r in d["ranks"]]
+            run = cls(ranks=ranks, **{f.name: d[f.name] for f in fields(cls) if f.name != "ranks"})
+            run.validate()
+        except (KeyError, TypeError, ValueError) as e:
+            raise RunReportError(f"{source} is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
+        return run
+
+    def validate(self) -> None:
+        """Types and counts a reader relies on; a ValueError names the first that is wrong."""
+        def whole(name, v, least=0):
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"{name} is {v!r}")
+        whole("world_size", self.world_size, 1)
+        whole("steps", self.steps, 1)
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"{len(self.ranks)} ranks for world size {self.world_size}")
+        if sorted(r.rank for r in self.ranks) != list(range(self.world_size)):
+            raise ValueError("its ranks are not 0, 1, 2, ...")
+        if len(self.losses) != self.steps or not all(isinstance(x, (int, float)) for x in self.losses):
+            raise ValueError(f"{len(self.losses)} losses for {self.steps} steps")
+        for r in self.ranks:
+            for name in ("pp_rank", "dp_rank", "tp_rank", "peak_bytes", "threads"):
+                whole(f"rank {r.rank}'s {name}", getattr(r, name))
+            if not isinstance(r.median_step_s, (int, float)) or r.median_step_s <= 0:
+                raise ValueError(f"rank {r.rank}'s median_step_s is {r.median_step_s!r}")
+            if r.breakdown_s is not None and not all(isinstance(v, (int, float)) for v in r.breakdown_s.values()):
+                raise ValueError(f"rank {r.rank}'s breakdown_s is not seconds by component")
+
+
+def load_run(path: str | Path) -> RunReport:
+    d = read_json_document(path, "run", "create it with `plan run PLAN`", "run the plan again", RunReportError)
+    return RunReport.from_json(d, source=f"run {path}")
