@@ -32,12 +32,13 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from . import model_file as mf
 from .flops import OpCost
 from .live_memory import LiveMemory
-from .schema import TP_MEASURED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled
 from .tensor_parallel import apply_tp, fake_tp_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -487,7 +488,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
     on_progress = on_progress or (lambda _msg, _total: None)
     op_seconds = op_seconds or (lambda kind, flops, io, mnk: 0.0)
     torch.manual_seed(0)
-    with _tp_context(spec, opts) as tp_mesh, _build_context(opts):  # the mesh must be real, built first
+    with _tp_context(spec, opts) as (tp_mesh, tp_timed_mesh), _build_context(opts):  # the mesh must be real, built first
         model = mf.build_checked_model(spec)
         check_no_shared_params(model, spec)
         tp_matches = mf.check_tp_plan(model, spec)
@@ -515,6 +516,8 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                     layers[i].samples[b] = copy.copy(layers[j].samples[b])
                     if layers[j].tp_samples:
                         layers[i].tp_samples[b] = copy.copy(layers[j].tp_samples[b])
+                    if b in layers[j].tp_times:
+                        layers[i].tp_times[b] = list(layers[j].tp_times[b])
                     if not opts.fake:
                         layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = measure_time(layer, layer, x, opts)
                 else:
@@ -526,6 +529,10 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                         split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split
+                        if tp_timed_mesh is not None and splits_evenly(layers[i], spec, TP_TIMED):
+                            split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_timed_mesh)
+                            layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
+                            del split
                 x = nxt
             on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():
@@ -561,12 +568,25 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
     )
 
 
+def splits_evenly(layer: LayerProfile, spec: mf.ModelSpec, tp: int) -> bool:
+    """Whether the layer's sharded dims and the model's head counts divide by tp."""
+    return (all(p.shape[p.tp_dim] % tp == 0 for p in layer.params if p.tp_dim is not None)
+            and all(n % tp == 0 for n in spec.tp_divides))
+
+
 @contextlib.contextmanager
 def _tp_context(spec: mf.ModelSpec, opts: ProfileOptions):
-    """A fake mesh of TP_MEASURED ranks when the model has a tp_plan (TP is measured on it)
-    or its layers are timed (FSDP2's hooks are measured on it), else None."""
+    """(a fake mesh of TP_MEASURED ranks, one of TP_TIMED ranks or None). The first when the
+    model has a tp_plan (TP is measured on it) or its layers are timed (FSDP2's hooks are
+    measured on it), else None; the second when a tp_plan's layers are timed (tp_times)."""
     if not spec.tp_plan and opts.fake:
-        yield None
+        yield None, None
         return
-    with fake_tp_mesh(opts.device, TP_MEASURED) as mesh:
-        yield mesh
+    if opts.fake or not spec.tp_plan:
+        with fake_tp_mesh(opts.device, TP_MEASURED) as mesh:
+            yield mesh, None
+        return
+    with fake_tp_mesh(opts.device, TP_TIMED) as world:
+        # TP_MEASURED ranks of the TP_TIMED: a sub-mesh of the same fake world.
+        sub = init_device_mesh(opts.device, (TP_TIMED // TP_MEASURED, TP_MEASURED), mesh_dim_names=("rest", "tp"))
+        yield sub["tp"], world

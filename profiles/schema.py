@@ -25,8 +25,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SCHEMA_VERSION = 2   # 2: layers timed with the runtime's threads per process; optimizer steps measured
+SCHEMA_VERSION = 3   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times
 TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
+TP_TIMED = 4      # the second degree measured profiles time tensor-parallel layers at (tp_times)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16", "mixed")
 
@@ -129,7 +130,14 @@ class Sampled:
 class LayerProfile(Sampled):
     """One layer. `samples` are measured without tensor parallelism; `tp_samples`, for layers
     the tp_plan touches, under tensor parallelism of degree TP_MEASURED (a fake process group):
-    a figure f then splits into a replicated part r and a sharded part s, f(t) = r + s / t."""
+    a figure f then splits into a replicated part r and a sharded part s, f(t) = r + s / t.
+
+    Times measured on a device are split through t = TP_MEASURED and TP_TIMED instead (tp_times),
+    for t >= 2: a DTensor layer pays a per-op cost that the plain layer (t = 1) does not, and a
+    line through t = 1 and 2 reads that cost as negative sharding, growing with t. On this CPU
+    a GPT block took 9.4 ms alone and 20-24 ms per rank at t = 2, which the line through 1 and
+    2 put at 48-62 ms for t = 4.
+    """
 
     index: int = 0
     name: str = ""             # the child's name in the Sequential ("0", "1", ...)
@@ -146,12 +154,15 @@ class LayerProfile(Sampled):
     fsdp_overhead_s: dict[str, float] = field(default_factory=dict)  # what each FSDP2 unit kind's hooks and copies add per micro-batch (replicate_sync: once per step)
     params: list[ParamInfo] = field(default_factory=list)
     tp_samples: dict[int, LayerSample] = field(default_factory=dict)
+    tp_times: dict[int, list[float]] = field(default_factory=dict)  # b -> [fwd_s, bwd_s] at TP_TIMED (measured profiles)
 
     def refit(self) -> None:
         super().refit()
         self._tp = Sampled(samples=self.tp_samples)
         if self.tp_samples:
             self._tp.refit()
+        bs = sorted(self.tp_times)
+        self._tp_time_fits = [fit_line(bs, [self.tp_times[b][k] for b in bs]) for k in (0, 1)] if bs else []
 
     def at_tp(self, b: int, tp: int) -> LayerSample:
         """Figures at micro-batch b under tensor parallelism of degree tp."""
@@ -172,6 +183,14 @@ class LayerProfile(Sampled):
                 shard = (v1 - v2) * k / (k - 1)
                 v = max(0.0, (v1 - shard) + shard / tp)
             vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+        if self.tp_times:
+            # f(t) = r + s/t through f(TP_MEASURED) and f(TP_TIMED), both under DTensor.
+            lo, hi = TP_MEASURED, TP_TIMED
+            for k, name in enumerate(("fwd_s", "bwd_s")):
+                v_lo = getattr(two, name)
+                v_hi = self.tp_times[b][k] if b in self.tp_times else self._tp_time_fits[k](b)
+                shard = (v_lo - v_hi) / (1 / lo - 1 / hi)
+                vals[name] = max(0.0, v_lo - shard / lo + shard / tp)
         return LayerSample(**vals)
 
 
@@ -210,6 +229,7 @@ class Profile:
         for layer in d["layers"]:
             layer["samples"] = {str(b): s for b, s in layer["samples"].items()}
             layer["tp_samples"] = {str(b): s for b, s in layer["tp_samples"].items()}
+            layer["tp_times"] = {str(b): t for b, t in layer["tp_times"].items()}
         d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
         return d
 
@@ -259,6 +279,10 @@ class Profile:
                 if mode not in ("replicate", "replicate_sync", "shard", "shard_keep") or not math.isfinite(v) or v < 0:
                     bad(f"layer {layer.index} has fsdp_overhead_s[{mode!r}] = {v!r}; it takes replicate, replicate_sync, "
                         "shard, shard_keep and non-negative seconds")
+            for b, t in layer.tp_times.items():
+                if b not in layer.tp_samples or not all(math.isfinite(x) and x >= 0 for x in t):
+                    bad(f"layer {layer.index} has tp_times at micro-batch {b} = {t!r}, not two non-negative "
+                        "seconds at a micro-batch of its tp_samples")
             if sorted(layer.samples) != sorted(self.batch_sizes):
                 bad(f"layer {layer.index} was measured at {sorted(layer.samples)}, not at the profile's batch sizes {self.batch_sizes}")
             for b, s in layer.samples.items():
@@ -293,6 +317,7 @@ def _layer_from_json(d: dict) -> LayerProfile:
         fsdp_overhead_s={str(k): float(v) for k, v in d["fsdp_overhead_s"].items()},
         params=[ParamInfo(**p) for p in d["params"]],
         tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
+        tp_times={int(b): [float(t[0]), float(t[1])] for b, t in d.get("tp_times", {}).items()},
     )
     return _sampled_from_json(layer, d)
 

@@ -135,6 +135,27 @@ def test_tensor_parallel_samples_shard_what_the_plan_splits(example_profiles):
     assert block.tp_param_bytes == 4 * sharded
 
 
+def test_measured_tp_times_split_through_both_tp_degrees(example_profiles):
+    """A measured profile times TP layers at t = 2 and 4 (tp_times); their time at t >= 2 is
+    r + s/t through those two, exact at both, and the memory figures keep the line through 1
+    and 2. A fake profile, timed op by op, has no DTensor cost to separate and no tp_times."""
+    import copy
+    prof = example_profiles["gpt"]["real"]
+    assert not example_profiles["gpt"]["fake"].layers[1].tp_times
+    block = copy.deepcopy(prof.layers[1])
+    b = max(block.tp_times)
+    assert sorted(block.tp_times) == sorted(block.tp_samples) and all(t > 0 for t in block.tp_times[b])
+    block.samples[b].fwd_s, block.tp_samples[b].fwd_s, block.tp_times[b][0] = 0.010, 0.020, 0.015
+    block.refit()
+    assert block.at_tp(b, 1).fwd_s == pytest.approx(0.010)
+    assert block.at_tp(b, 2).fwd_s == pytest.approx(0.020)
+    assert block.at_tp(b, 4).fwd_s == pytest.approx(0.015)
+    # 0.020 = r + s/2 and 0.015 = r + s/4: s = 0.020, r = 0.010.
+    assert block.at_tp(b, 8).fwd_s == pytest.approx(0.010 + 0.020 / 8)
+    one, two = block.at_tp(b, 1).saved_bytes, block.at_tp(b, 2).saved_bytes
+    assert abs(block.at_tp(b, 4).saved_bytes - (1.5 * two - 0.5 * one)) <= 1
+
+
 def test_linear_fits_are_exact_for_sizes_measured(example_profiles):
     prof = example_profiles["gpt"]["real"]
     block = prof.layers[1]
