@@ -185,10 +185,17 @@ class CostModel:
         return self._cache[key]
 
     def layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
-        key = (cand, i, checkpoint, offload)
+        key = (self._layer_key(cand), i, checkpoint, offload)
         if key not in self._cache:
             self._cache[key] = self._layer(cand, i, checkpoint, offload)
         return self._cache[key]
+
+    def _layer_key(self, cand: Candidate):
+        """What a layer's cost depends on: not the schedule, and the micro-batch count only
+        through compute_scale (CPU processes sharing cores). Candidates that differ in those
+        alone share their layers' costs (a search visits hundreds of such candidates)."""
+        return (cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.zero, cand.fsdp,
+                cand.num_micro_batches if self.hw.device_type == "cpu" else 0)
 
     def loss(self, cand: Candidate) -> LayerCost:
         key = (cand, "loss")

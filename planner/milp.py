@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from itertools import product
 
-import pulp
+from . import lp
 
 from .cost import Candidate, CostModel
 from .memory import schedule_actions
@@ -103,17 +103,7 @@ class Layout:
     objective: float | None
 
 
-def upper_bound(expr) -> float:
-    """The largest value an affine expression can take within its variables' bounds."""
-    if not isinstance(expr, pulp.LpAffineExpression):
-        expr = pulp.LpAffineExpression(expr)
-    ub = expr.constant
-    for var, coef in expr.items():
-        ub += coef * (var.upBound if coef > 0 else var.lowBound)
-    return ub
-
-
-def add_memory_row(prob: pulp.LpProblem, live, limit: int | None, gate, name: str) -> None:
+def add_memory_row(prob: lp.Model, live, limit: int | None, gate, name: str) -> None:
     """live <= limit, enforced only when `gate` (a binary) is 1; scaled by the limit.
 
     The big-M is the tightest one the variables' bounds allow, so the relaxation stays tight.
@@ -124,11 +114,11 @@ def add_memory_row(prob: pulp.LpProblem, live, limit: int | None, gate, name: st
     if gate is None:
         prob += live * (1 / limit) <= 1, name
         return
-    slack = max(0.0, upper_bound(live) - limit)
+    slack = max(0.0, prob.upper_bound(live) - limit)
     prob += live * (1 / limit) <= 1 + slack / limit * (1 - gate), name
 
 
-def add_bytes_variable(prob: pulp.LpProblem, name: str, most: int, limit: int) -> pulp.LpAffineExpression:
+def add_bytes_variable(prob: lp.Model, name: str, most: int, limit: int) -> lp.Lin:
     """A byte count the solver chooses (0..most), as an expression in bytes.
 
     The variable itself is a fraction of the memory limit: memory rows are scaled by 1/limit,
@@ -138,14 +128,14 @@ def add_bytes_variable(prob: pulp.LpProblem, name: str, most: int, limit: int) -
     return prob.add_variable(name, 0, most / limit) * limit
 
 
-def add_bytes_bound(prob: pulp.LpProblem, lhs, rhs, limit: int, name: str) -> None:
+def add_bytes_bound(prob: lp.Model, lhs, rhs, limit: int, name: str) -> None:
     """lhs >= rhs for byte expressions, scaled by the limit like the memory rows."""
     prob += (lhs - rhs) * (1 / limit) >= 0, name
 
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
-                 memory: bool = True, cutoff: float | None = None) -> Layout:
+                 memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
     `memory=False`: with no memory limit, the fastest layout there is; `cutoff`: only a layout
     of at most this step time, else status "cut off")."""
@@ -154,7 +144,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     R, S = len(runs), cand.pp
     m = cand.num_micro_batches
     limit = model.memory_limit if memory else None
-    prob = pulp.LpProblem(f"layout_{cand.describe().replace(' ', '_')}", pulp.LpMinimize)
+    prob = lp.Model(f"layout_{cand.describe().replace(' ', '_')}")
 
     # -- variables -----------------------------------------------------------------------
     # L[r,s,c]: layers of run r in stage s with choice c.
@@ -193,9 +183,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
     for r, (start, length) in enumerate(runs):
-        prob += pulp.lpSum(L[r, s, c] for s in range(S) for c in choices) == length, f"run{r}_all_layers_placed"
+        prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in choices) == length, f"run{r}_all_layers_placed"
         for s in range(S):
-            cum = pulp.lpSum(L[r, t, c] for t in range(s + 1) for c in choices)
+            cum = lp.lin_sum(L[r, t, c] for t in range(s + 1) for c in choices)
             prob += cum >= length * full[r, s], f"full_r{r}_s{s}_means_all"
             prob += full[r, s] >= cum - (length - 1), f"full_r{r}_s{s}_when_all"
             prob += cum <= length * started[r, s], f"started_r{r}_s{s}_when_any"
@@ -203,11 +193,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             if r + 1 < R:
                 prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
     for s in range(S):
-        prob += pulp.lpSum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
+        prob += lp.lin_sum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
     if cand.fsdp and not wraps_layers(cand.dp, prof.precision, any_offload=False):
         # One rank without mixed precision wraps layers in FSDP2 only to offload them; a layout
         # offloading nothing runs on the plain path, which is another candidate.
-        prob += pulp.lpSum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
+        prob += lp.lin_sum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
     for k in L:
         length = runs[k[0]][1]
         prob += L[k] >= e[k], f"e_{L[k].name[2:]}_lo"
@@ -262,14 +252,14 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             lm = loss.memory
             loss_kp = prev_E
             loss_add = lm.own + (lm.output if lm.keeps_output else 0) + (lm.input * (1 - loss_kp) if lm.keeps_input else 0)
-        per_mb = pmb + pulp.lpSum(t for t, _ in totals.values()) + loss_add
+        per_mb = pmb + lp.lin_sum(t for t, _ in totals.values()) + loss_add
 
-        weights = pulp.lpSum(mem[r, c].weights * L[r, s, c] for r, c in seg)
-        optim = pulp.lpSum(mem[r, c].optim * L[r, s, c] for r, c in seg)
-        grads_all = pulp.lpSum(mem[r, c].grads * L[r, s, c] for r, c in seg)
-        bufs = pulp.lpSum(mem[r, c].buffers * L[r, s, c] for r, c in seg)
-        kept_unsharded = pulp.lpSum(mem[r, c].kept_unsharded * L[r, s, c] for r, c in seg)
-        step_grads = pulp.lpSum((mem[r, c].grads if mem[r, c].step_grads is None else mem[r, c].step_grads) * L[r, s, c]
+        weights = lp.lin_sum(mem[r, c].weights * L[r, s, c] for r, c in seg)
+        optim = lp.lin_sum(mem[r, c].optim * L[r, s, c] for r, c in seg)
+        grads_all = lp.lin_sum(mem[r, c].grads * L[r, s, c] for r, c in seg)
+        bufs = lp.lin_sum(mem[r, c].buffers * L[r, s, c] for r, c in seg)
+        kept_unsharded = lp.lin_sum(mem[r, c].kept_unsharded * L[r, s, c] for r, c in seg)
+        step_grads = lp.lin_sum((mem[r, c].grads if mem[r, c].step_grads is None else mem[r, c].step_grads) * L[r, s, c]
                                 for r, c in seg)
         static_batch = model.batch_bytes(cand, s == 0, last_stage)
         static = weights + optim + bufs + static_batch + recv_buffers
@@ -285,7 +275,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             biggest = add_bytes_variable(prob, f"final_reduce_s{s}", max(mem[q].final_reduce_flat for q in seg), limit)
             for (r, c) in seg:
                 add_bytes_bound(prob, biggest, mem[r, c].final_reduce_flat * e[r, s, c], limit, f"final_reduce_{L[r, s, c].name[2:]}")
-            left = pulp.lpSum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
+            left = lp.lin_sum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
             add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest, limit, None,
                            f"mem_s{s}_final_reduce")
 
@@ -332,7 +322,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             k, lm = (r, s, c), mem[r, c]
             total, a_in = totals[r, c]
             ku = lm.kept_unsharded if resharded else 0
-            uab_after_seg = pulp.lpSum(mem[r2, c2].unsharded_after_backward * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
+            uab_after_seg = lp.lin_sum(mem[r2, c2].unsharded_after_backward * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
             uab = lm.unsharded_after_backward
 
             def through(count):
@@ -344,7 +334,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 return uab_after_seg + uab * count
             ki, ko = (1 if lm.keeps_input else 0), (1 if lm.keeps_output else 0)
             a_first = a_in + lm.input * ki * (ko - kp[k])
-            g_after = pulp.lpSum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
+            g_after = lp.lin_sum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
             gout = lm.output
             own_bflat = lm.gather_flat if lm.gathers_in_backward else 0
             here = lm.own + lm.output + lm.fwd_transient + lm.unsharded + lm.gather_flat
@@ -421,8 +411,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     for s in range(S):
         last_stage = s == S - 1
         seg = [(r, c) for r in range(R) for c in choices]      # the stage's segments, in order
-        stage_in = pulp.lpSum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
-        stage_out = (pulp.lpSum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
+        stage_in = lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
+        stage_out = (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
                      else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
         if limit is not None:             # without a limit the rows are not needed (nor built)
             add_stage_memory_rows(s, seg, stage_in, stage_out)
@@ -430,20 +420,20 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # -- time (CostModel.time_terms, the cost model's own definition) ----------------
         terms = model.time_terms(
             cand,
-            layers_s=pulp.lpSum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg),
+            layers_s=lp.lin_sum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg),
             loss_s=loss.compute_s if last_stage else 0.0,
             sent_bytes=((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0,
             boundaries=(s > 0) + (not last_stage) if S > 1 else 0,
-            step_s=pulp.lpSum(cost[r, c].step_s * L[r, s, c] for r, c in seg),
-            sync_s=pulp.lpSum(cost[r, c].sync_s * L[r, s, c] for r, c in seg),
-            compute_s=pulp.lpSum(cost[r, c].compute_s * L[r, s, c] for r, c in seg))
+            step_s=lp.lin_sum(cost[r, c].step_s * L[r, s, c] for r, c in seg),
+            sync_s=lp.lin_sum(cost[r, c].sync_s * L[r, s, c] for r, c in seg),
+            compute_s=lp.lin_sum(cost[r, c].compute_s * L[r, s, c] for r, c in seg))
         stage_times[s] = terms.per_micro_batch * MS
         prob += tau >= stage_times[s], f"time_s{s}_per_micro_batch"
         if any(cost[k].sync_s for k in cost):
             prob += exposed[s] >= terms.sync_minus_window * MS, f"time_s{s}_exposed_sync"
         prob += omega >= exposed[s] + terms.step * MS, f"time_s{s}_once_per_step"
 
-    step_time = model.pipeline_step_s(m, pulp.lpSum(stage_times.values()), tau, omega)
+    step_time = model.pipeline_step_s(m, lp.lin_sum(stage_times.values()), tau, omega)
     prob += step_time, "step_time"
 
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
@@ -463,6 +453,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(ck, off) == c)
                     prob += var == count, f"fixed_{var.name}"
 
+    if lower_bound is not None:
+        # A proven bound on this candidate's step (its memory-free optimum): the relaxation
+        # starts from it instead of from its own, weaker one.
+        prob += step_time >= lower_bound * MS * (1 - 1e-9), "proven_lower_bound"
     if cutoff is not None:
         # Only a layout that could enter the top K is wanted. The bound lets the solver discard
         # whole branches at once; proving nothing is under it is usually far quicker than
@@ -485,40 +479,37 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     layers.append((placed[r], c.checkpoint, c.offload))
                     placed[r] += 1
         stages.append(layers)
-    return Layout(status, stages, pulp.value(prob.objective) / MS)
+    return Layout(status, stages, prob.objective_value() / MS)
 
 
-def _solve(prob: pulp.LpProblem, solver: str, time_limit: float | None) -> str:
-    """Run the solver with explicit options; return "optimal", "infeasible" or the status.
+def _solve(prob: lp.Model, solver: str, time_limit: float | None) -> str:
+    """Run the solver with explicit options; return "optimal", "infeasible", "time limit" (a
+    layout, not proven the best) or the solver's status.
 
-    HiGHS (in-process) is the default: on these models CBC's presolve has returned layouts
-    slower than the optimum while reporting optimality (docs/cost-model.md), so CBC runs
-    with presolve off, which is exact but often much slower.
+    HiGHS (in-process, the model passed as one matrix) is the default: on these models CBC's
+    presolve has returned layouts slower than the optimum while reporting optimality
+    (docs/cost-model.md), so CBC runs with presolve off, which is exact but often much slower.
     """
     if solver == "highs":
-        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0, random_seed=1)
-        with _no_banner():          # highspy prints a banner on stdout even with msg off
-            prob.solve(cmd)
-        return _status(prob)
-    else:
-        # The CBC bundled with PuLP 3, single-threaded with fixed seeds: the same problem gives
-        # the same answer.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)   # PuLP 4 moves CBC to an extra
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0,
-                                    options=["randomSeed 1", "randomCbcSeed 1", "presolve off"])
-    prob.solve(cmd)
-    return _status(prob)
-
-
-def _status(prob: pulp.LpProblem) -> str:
-    if prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal:
+        with _no_banner():          # highspy prints a banner on stdout even with output off
+            return prob.solve_highs(time_limit, GAP_REL)
+    import pulp
+    pprob, cols = prob.to_pulp()
+    # The CBC bundled with PuLP 3, single-threaded with fixed seeds: the same problem gives
+    # the same answer.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # PuLP 4 moves CBC to an extra
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, gapRel=GAP_REL, gapAbs=0,
+                                options=["randomSeed 1", "randomCbcSeed 1", "presolve off"])
+    pprob.solve(cmd)
+    prob.values = [cols[i].varValue or 0.0 for i in range(len(prob.columns))]
+    if pprob.status == pulp.LpStatusOptimal and pprob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
-    if prob.status == pulp.LpStatusInfeasible:
+    if pprob.status == pulp.LpStatusInfeasible:
         return "infeasible"
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "time limit"          # a layout, but not proven the best
-    return pulp.LpStatus[prob.status].lower()
+    if pprob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "time limit"
+    return pulp.LpStatus[pprob.status].lower()
 
 
 @contextlib.contextmanager
