@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
+from planner.plan import load_plan, wraps_layers  # noqa: E402
 from planner.search import Solution, SolveOptions  # noqa: E402
 from planner.run_report import load_run  # noqa: E402
 from planner.verify import compare  # noqa: E402

@@ -285,10 +285,17 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         key = dataclasses.replace(cand, schedule="1f1b")
         free = free_layouts.get(key)
         if free is None or (free.status == "time limit"):
-            free = solve_layout(model, cand, fastest_choices(model, cand, choices), opts.solver, time_limit=_free_time_limit(opts),
-                                memory=False, cutoff=cutoff)
+            fastest = fastest_choices(model, cand, choices)
+            if cand.pp == 1 and len(fastest) == 1 and not (cand.fsdp and not wraps_layers(cand.dp, model.precision, fastest[0].offload)):
+                # One stage, one choice: the memory-free layout is every layer so, no MILP needed.
+                c = fastest[0]
+                stages = [[(i, c.checkpoint, c.offload) for i in range(model.profile.n_layers)]]
+                free = Layout("optimal", stages, model.evaluate(cand, stages).step_s)
+            else:
+                free = solve_layout(model, cand, fastest, opts.solver, time_limit=_free_time_limit(opts),
+                                    memory=False, cutoff=cutoff)
+                result.free_solved += 1
             free_layouts[key] = free
-            result.free_solved += 1
         if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + 1e-6):
             free = Layout("cut off", None, None)
         if free.status == "cut off":           # not even without a memory limit faster than the K-th
