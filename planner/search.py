@@ -284,8 +284,12 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
         key = dataclasses.replace(cand, schedule="1f1b")
         free = free_layouts.get(key)
-        if free is None or (free.status == "time limit"):
-            fastest = fastest_choices(model, cand, choices)
+        fastest = fastest_choices(model, cand, choices)
+        if cand.pp == 1 and len(fastest) > 1:
+            # One stage with offload open: the memory MILP is small, a memory-free one first
+            # would only double the work (the shortcut is never needed for exactness).
+            free = Layout("skipped", None, None)
+        elif free is None or (free.status == "time limit"):
             if cand.pp == 1 and len(fastest) == 1 and not (cand.fsdp and not wraps_layers(cand.dp, model.precision, fastest[0].offload)):
                 # One stage, one choice: the memory-free layout is every layer so, no MILP needed.
                 c = fastest[0]
