@@ -36,11 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from profiles.schema import LayerProfile, LayerSample, Profile
+from profiles.schema import LayerProfile, LayerSample, Profile, splits_evenly
 
 from .hardware import PRESETS, Hardware
 from .memory import LayerMemory, StageMemory, schedule_actions, walk_stage
-from .plan import fsdp_unit
+from .plan import fsdp_unit, wraps_layers
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
@@ -136,6 +136,12 @@ class Prediction:
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.memory_limit
+
+
+def must_offload(cand: Candidate, precision: str) -> bool:
+    """Whether the candidate wraps layers only to offload them (one rank, no mixed precision):
+    a layout of it that offloads nothing runs on the plain path, which is another candidate."""
+    return cand.fsdp and not wraps_layers(cand.dp, precision, any_offload=False)
 
 
 class CostModel:
@@ -499,7 +505,7 @@ class CostModel:
                 "optimizer": step, "dp_sync": per_step - step}
 
     def finish(self, cand: Candidate, preds: list[StagePrediction]) -> Prediction:
-        m, pp = cand.num_micro_batches, cand.pp
+        m = cand.num_micro_batches
         slowest = max(preds, key=lambda p: p.micro_batch_s)
         fullest = max(preds, key=lambda p: p.step_extra_s)
         step = self.pipeline_step_s(m, sum(p.micro_batch_s for p in preds), slowest.micro_batch_s,
@@ -587,5 +593,4 @@ def _same_gpu(device_name: str, preset: str) -> bool:
 def tp_divides(profile: Profile, tp: int) -> bool:
     """Every dimension the tp_plan shards, and every number the model says a degree must
     divide (its head counts), splits evenly over tp ranks."""
-    return (all(p.shape[p.tp_dim] % tp == 0 for l in profile.layers for p in l.params if p.tp_dim is not None)
-            and all(n % tp == 0 for n in profile.tp_divides))
+    return splits_evenly([p for layer in profile.layers for p in layer.params], profile.tp_divides, tp)

@@ -3,7 +3,7 @@
 PuLP builds every `a + b` as a new dictionary subclass with checks and copies; on a layout
 MILP that was about 80% of a solve's time (64 blocks on 512 GPUs: 10 s of model building
 around 1.7 s in HiGHS). Here an affine expression is a plain dict from column index to
-coefficient plus a constant, and `solve` passes HiGHS the whole model at once. The model
+coefficient plus a constant, and `solve_highs` passes HiGHS the whole model at once. The model
 HiGHS sees is the one PuLP gave it: columns sorted by name, rows in the order they were
 added, zero coefficients dropped, so the same problem gets the same answer. CBC, the
 fallback solver, still goes through PuLP (`to_pulp`).
@@ -131,7 +131,6 @@ class Model:
         self.rows: list[tuple[str, Row]] = []
         self.objective = Lin()
         self.values: list[float] = []
-        self.status = "not solved"
 
     def add_variable(self, name: str, lo: float | None = None, hi: float | None = None, cat: str = "Continuous") -> Var:
         integer = cat in ("Integer", "Binary")
@@ -213,14 +212,12 @@ class Model:
             for k, v in enumerate(order):
                 self.values[v.index] = col[k]
         if status == S.kOptimal:
-            self.status = "optimal"
-        elif status in (S.kInfeasible, S.kUnboundedOrInfeasible):
-            self.status = "infeasible"
-        elif status in (S.kTimeLimit, S.kIterationLimit, S.kInterrupt) and h.getInfo().primal_solution_status == 2:
-            self.status = "time limit"
-        else:
-            self.status = h.modelStatusToString(status).lower()
-        return self.status
+            return "optimal"
+        if status in (S.kInfeasible, S.kUnboundedOrInfeasible):
+            return "infeasible"
+        if status in (S.kTimeLimit, S.kIterationLimit, S.kInterrupt) and h.getInfo().primal_solution_status == 2:
+            return "time limit"
+        return h.modelStatusToString(status).lower()
 
     def to_pulp(self):
         """The same problem as a PuLP one (for CBC), and its variables by column index."""

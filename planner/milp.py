@@ -35,9 +35,8 @@ from itertools import product
 
 from . import lp
 
-from .cost import Candidate, CostModel
+from .cost import Candidate, CostModel, must_offload
 from .memory import schedule_actions
-from .plan import wraps_layers
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
 MS = 1e3                # time rows in milliseconds, memory rows as a fraction of the limit: keeps
@@ -98,7 +97,7 @@ def scenarios(cand: Candidate, stage: int) -> Scenario:
 class Layout:
     """The MILP's answer: per stage, (layer, checkpoint, offload) in order; or why not."""
 
-    status: str                                   # "optimal" | "infeasible" | solver status
+    status: str                                   # "optimal" | "infeasible" | "cut off" | "time limit" | "skipped" (search: not asked) | solver status
     stages: list[list[tuple[int, bool, bool]]] | None
     objective: float | None
 
@@ -138,7 +137,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                  memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
     `memory=False`: with no memory limit, the fastest layout there is; `cutoff`: only a layout
-    of at most this step time, else status "cut off")."""
+    of at most this step time, else status "cut off"; `lower_bound`: a step time no layout of
+    this candidate beats, as a row)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.pp
@@ -194,9 +194,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
     for s in range(S):
         prob += lp.lin_sum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
-    if cand.fsdp and not wraps_layers(cand.dp, prof.precision, any_offload=False):
-        # One rank without mixed precision wraps layers in FSDP2 only to offload them; a layout
-        # offloading nothing runs on the plain path, which is another candidate.
+    if must_offload(cand, prof.precision):
         prob += lp.lin_sum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
     for k in L:
         length = runs[k[0]][1]

@@ -16,7 +16,7 @@ from typing import Callable
 
 from profiles.schema import Profile
 
-from .cost import Candidate, CostModel, Prediction, tp_divides
+from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .milp import Layout, choices_for, runs_of, solve_layout
 from .plan import wraps_layers
@@ -282,31 +282,19 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         # lower bound for this candidate, and when it fits, the candidate's optimum.
         # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
         # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
-        key = dataclasses.replace(cand, schedule="1f1b")
-        free = free_layouts.get(key)
-        fastest = fastest_choices(model, cand, choices)
-        if cand.pp == 1 and len(fastest) > 1:
-            # One stage with offload open: the memory MILP is small, a memory-free one first
-            # would only double the work (the shortcut is never needed for exactness).
-            free = Layout("skipped", None, None)
-        elif free is None or (free.status == "time limit"):
-            if cand.pp == 1 and len(fastest) == 1 and not (cand.fsdp and not wraps_layers(cand.dp, model.precision, fastest[0].offload)):
-                # One stage, one choice: the memory-free layout is every layer so, no MILP needed.
-                c = fastest[0]
-                stages = [[(i, c.checkpoint, c.offload) for i in range(model.profile.n_layers)]]
-                free = Layout("optimal", stages, model.evaluate(cand, stages).step_s)
-            else:
-                free = solve_layout(model, cand, fastest, opts.solver, time_limit=_free_time_limit(opts),
-                                    memory=False, cutoff=cutoff)
-                result.free_solved += 1
-            free_layouts[key] = free
+        twin = dataclasses.replace(cand, schedule="1f1b")
+        free = free_layouts.get(twin)
+        if free is None or free.status == "time limit":
+            free, milps = memory_free_layout(model, cand, choices, opts, cutoff)
+            result.free_solved += milps
+            free_layouts[twin] = free
         if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + 1e-6):
             free = Layout("cut off", None, None)
         if free.status == "cut off":           # not even without a memory limit faster than the K-th
             result.pruned += 1
             continue
         if free.status == "optimal":
-            if cand.schedule == "gpipe" and gpipe_only_ties(cand, free.objective, one_f_one_b):
+            if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
                 result.pruned += 1
                 continue
             free_stages = simplify(model, cand, free.stages)
@@ -390,18 +378,29 @@ def fastest_choices(model: CostModel, cand: Candidate, choices: list) -> list:
     return plain
 
 
-def _free_time_limit(opts: SolveOptions) -> float:
-    return FREE_TIME_LIMIT_S if opts.time_limit is None else min(FREE_TIME_LIMIT_S, opts.time_limit)
+def memory_free_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions,
+                       cutoff: float | None) -> tuple[Layout, int]:
+    """The candidate's fastest layout with no memory limit (a lower bound on its step, and its
+    optimum when it fits), and how many MILPs that took. Status "skipped" for one stage with
+    offload open: its memory MILP is small, and the shortcut is never needed for exactness.
+    One stage with one choice needs no MILP: every layer takes that choice."""
+    fastest = fastest_choices(model, cand, choices)
+    if cand.pp == 1 and len(fastest) > 1:
+        return Layout("skipped", None, None), 0
+    if cand.pp == 1 and not (must_offload(cand, model.precision) and not fastest[0].offload):
+        c = fastest[0]
+        stages = [[(i, c.checkpoint, c.offload) for i in range(model.profile.n_layers)]]
+        return Layout("optimal", stages, model.evaluate(cand, stages).step_s), 0
+    limit = FREE_TIME_LIMIT_S if opts.time_limit is None else min(FREE_TIME_LIMIT_S, opts.time_limit)
+    return solve_layout(model, cand, fastest, opts.solver, time_limit=limit, memory=False, cutoff=cutoff), 1
 
 
-def gpipe_only_ties(cand: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:
-    """Whether a GPipe candidate can at best tie its solved 1F1B twin (same degrees,
+def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:
+    """Whether a GPipe candidate can at best tie its solved 1F1B `twin` (same degrees,
     micro-batching, ZeRO). Both schedules take CostModel.pipeline_step_s, so with no memory
     limit they share the fastest layout (`free_step_s`), a lower bound for both; if the twin
     already reached it, no GPipe layout is faster, and the tie is not listed twice. (1F1B
     candidates are visited first: they sort before GPipe.)"""
-    twin = Candidate(cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.num_micro_batches, cand.zero,
-                     "1f1b", cand.fsdp, cand.allow_offload)
     return twin in one_f_one_b and one_f_one_b[twin] <= free_step_s * (1 + 1e-9)
 
 
@@ -430,7 +429,7 @@ def simplify(model: CostModel, cand: Candidate, stages):
                     layer[flag] = False
                     trial = [list(x) for x in stages]
                     trial[s][j] = tuple(layer)
-                    if cand.fsdp and not wraps_layers(cand.dp, model.precision, any(o for t in trial for _, _, o in t)):
+                    if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
                         continue                      # this candidate exists only to offload
                     pred = model.evaluate(cand, trial)
                     if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from . import model_file as mf
 from .flops import OpCost
 from .live_memory import LiveMemory
-from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled, splits_evenly
 from .tensor_parallel import apply_tp, fake_tp_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -529,7 +529,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                         split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split
-                        if tp_timed_mesh is not None and splits_evenly(layers[i], spec, TP_TIMED):
+                        if tp_timed_mesh is not None and splits_evenly(layers[i].params, list(spec.tp_divides), TP_TIMED):
                             split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_timed_mesh)
                             layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
                             del split
@@ -566,12 +566,6 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
         seq_len=spec.seq_len, tp_divides=list(spec.tp_divides), threads=opts.threads,
     )
-
-
-def splits_evenly(layer: LayerProfile, spec: mf.ModelSpec, tp: int) -> bool:
-    """Whether the layer's sharded dims and the model's head counts divide by tp."""
-    return (all(p.shape[p.tp_dim] % tp == 0 for p in layer.params if p.tp_dim is not None)
-            and all(n % tp == 0 for n in spec.tp_divides))
 
 
 @contextlib.contextmanager

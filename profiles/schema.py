@@ -301,6 +301,13 @@ def _sampled_from_json(obj: Sampled, d: dict) -> Sampled:
     return obj
 
 
+def splits_evenly(params: list[ParamInfo], head_counts: list[int], tp: int) -> bool:
+    """Whether every dim the tp_plan shards (`params`) and every number a degree must divide
+    (the model's head counts) splits evenly over tp ranks."""
+    return (all(p.shape[p.tp_dim] % tp == 0 for p in params if p.tp_dim is not None)
+            and all(n % tp == 0 for n in head_counts))
+
+
 def _sample_from_json(s: dict) -> LayerSample:
     unknown = set(s) - set(SAMPLE_FIELDS)
     if unknown:

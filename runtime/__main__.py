@@ -32,6 +32,7 @@ from .parallel_dims import ParallelDims
 from .pipeline import schedule_problem
 from .train import Trainer, build_model, reduce_losses
 
+
 class RunError(Exception):
     """A plan this launch cannot run; the message is one sentence with the fix."""
 
