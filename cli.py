@@ -13,11 +13,13 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Profile a PyTorch model, solve for the fastest training layout that fits, run it, and check the prediction.")
+from planner.hardware import DEFAULT_HARDWARE
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console()
 err = Console(stderr=True)
 
@@ -26,8 +28,31 @@ EXIT_NO_FIT = 3
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT):
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed("plan")
+    except PackageNotFoundError:     # run from a checkout without installing
+        return "unknown (not installed)"
+
+
+def show_version(value: bool) -> None:
+    if value:
+        out.print(f"plan {version()}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(_version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                       help="Print plan's version and exit.")):
+    """Profile a PyTorch model, solve for the fastest training layout that fits, run it, and check the prediction.
+
+    How it works: docs/design.md.
+    """
 
 
 def expected_errors():
@@ -63,7 +88,7 @@ def profile(
     precision: str = typer.Option("fp32", help="fp32 | bf16 | mixed (bf16 compute, fp32 master weights, gradients and states)."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
     fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's achievable rates."),
-    hardware: Optional[str] = typer.Option(None, help="Hardware preset for --fake times (see `plan hardware`)."),
+    hardware: Optional[str] = typer.Option(None, help=f"Hardware preset for --fake times (see `plan hardware`; default: plan solve's, {DEFAULT_HARDWARE})."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
     threads: int = typer.Option(1, help="Intra-op threads to time layers with: what each rank will run with (plan run gives CPU ranks this many)."),
@@ -95,7 +120,8 @@ def profile(
         op_seconds = None
         if fake:
             if not hardware:
-                fail("--fake needs --hardware PRESET for its times (see `plan hardware`).")
+                hardware = DEFAULT_HARDWARE
+                err.print(f"--fake: times from the {hardware} preset (the default; --hardware to change).", highlight=False)
             hw = get_hardware(hardware)
             op_seconds = lambda kind, flops, io, mnk: hw.op_seconds(precision, kind, flops, io, mnk)  # noqa: E731
         elif hardware:
@@ -121,7 +147,7 @@ def profile(
     except expected_errors() as e:
         fail(str(e))
     print_profile(prof)
-    out.print(f"wrote [bold]{output}[/]" + (f" and [bold]{csv}[/]" if csv else ""))
+    out.print(f"wrote [bold]{escape(str(output))}[/]" + (f" and [bold]{escape(str(csv))}[/]" if csv else ""))
 
 
 def write_profile_csv(prof, path: Path) -> None:
@@ -149,7 +175,7 @@ def write_profile_csv(prof, path: Path) -> None:
 
 def print_profile(prof, b: int | None = None) -> None:
     b = b or max(prof.batch_sizes)
-    t = Table(title=f"{prof.model.get('name') or prof.model['path']}: {prof.n_layers} layers, {prof.precision}, "
+    t = Table(title=f"{escape(prof.model.get('name') or prof.model['path'])}: {prof.n_layers} layers, {prof.precision}, "
                     f"{prof.optimizer}, {prof.method} on {prof.device}, micro-batch {b} (MiB, ms, GFLOP)")
     for col in ("layer", "kind", "params", "weights", "grads", "optim", "saved", "ckpt keeps", "fwd ms", "bwd ms", "GFLOP"):
         t.add_column(col, justify="right" if col not in ("kind",) else "left")
@@ -243,8 +269,9 @@ def calibrate(
         cal = run_calibration(device, counts, base_name, on_progress=lambda msg: bar.update(task, description=msg))
     write_cluster_file(cal, base_name, output)
     for note in cal.notes:
-        out.print(note, highlight=False)
-    out.print(f"wrote [bold]{output}[/]; plan with it: plan solve --cluster {output} --gpus N", highlight=False)
+        out.print(escape(note), highlight=False)
+    out.print(f"wrote [bold]{escape(str(output))}[/]; plan with it: plan solve --cluster {escape(str(output))} --gpus N",
+              highlight=False)
 
 
 def check_writable(path: Path) -> None:
@@ -268,7 +295,7 @@ def solve(
     profile_path: Path = typer.Argument(Path("profile.json"), metavar="[PROFILE]", help="The profile to plan from."),
     gpus: int = typer.Option(..., help="Number of GPUs (or CPU processes with --hardware cpu)."),
     gpus_per_node: Optional[int] = typer.Option(None, help="GPUs per node (default: the hardware's)."),
-    hardware: str = typer.Option("h100-sxm-80g", help="Hardware preset (see `plan hardware`)."),
+    hardware: str = typer.Option(DEFAULT_HARDWARE, help="Hardware preset (see `plan hardware`)."),
     cluster: Optional[Path] = typer.Option(None, help="TOML cluster file instead of a preset."),
     global_batch: Optional[int] = typer.Option(None, help="Samples per step (default: 8 per GPU)."),
     memory_limit: Optional[str] = typer.Option(None, help="Memory per GPU plans may use, e.g. 70GiB (default: the hardware's usable memory)."),
@@ -287,7 +314,7 @@ def solve(
 ):
     """Find the fastest layout that fits: degrees, micro-batching, ZeRO, checkpointing, offload."""
     from planner.build import build_plan, explain_no_fit
-    from planner.hardware import get_hardware, load_cluster_file, parse_size
+    from planner.hardware import format_size, get_hardware, load_cluster_file, parse_size
     from planner.search import SolveOptions, search
     from profiles.schema import load_profile
     try:
@@ -305,10 +332,10 @@ def solve(
             result = search(prof, opts, on_progress=lambda k, n: bar.update(task, completed=k, total=n))
         limit_bytes = limit or hw.usable_memory_bytes()
         if not result.solutions:
-            err.print(f"[bold red]no layout fits[/] {gpus} x {hw.name} with {limit_bytes / 2**30:.2f} GiB per GPU "
+            err.print(f"[bold red]no layout fits[/] {gpus} x {escape(hw.name)} with {format_size(limit_bytes)} per GPU "
                       f"({result.candidates} layouts considered).", highlight=False)
             for line in explain_no_fit(prof, opts, result, limit_bytes):
-                err.print("  " + line, highlight=False)
+                err.print("  " + escape(line), highlight=False)
             raise typer.Exit(EXIT_NO_FIT)
         best, others = result.solutions[0], result.solutions[1:]
         plan = build_plan(best, others, prof, str(profile_path), hw, opts, limit_bytes, str(output))
@@ -320,8 +347,8 @@ def solve(
     out.print(f"{result.candidates} layouts, {result.solved} MILPs solved: {result.pruned} ruled out as slower than "
               f"the top {top} (by a bound or by their MILP), {result.infeasible} as not fitting.")
     for note in result.notes:
-        out.print(f"[yellow]note:[/] {note}", highlight=False)
-    out.print(f"wrote [bold]{output}[/]; run it with:\n  {plan.launch}")
+        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    out.print(f"wrote [bold]{escape(str(output))}[/]; run it with:\n  {escape(plan.launch)}", highlight=False)
 
 
 def check_model_unchanged(prof) -> None:
@@ -422,7 +449,7 @@ def run(
         fail(f"{e}; check --nnodes, --node-rank and --rdzv-endpoint.")
     if steps is not None and steps < 1:
         fail(f"--steps is {steps}; give 1 or more.")
-    out.print(shlex.join(cmd), highlight=False, soft_wrap=True)
+    out.print(escape(shlex.join(cmd)), highlight=False, soft_wrap=True)
     if print_only:
         return
     # Each CPU rank runs with the threads its layers were timed with (the profile's; torchrun
@@ -452,7 +479,7 @@ def verify(
         time_rows, time_rank = compare_time(plan, run_doc)
     except expected_errors() + (VerifyError,) as e:
         fail(str(e))
-    t = Table(title=f"predicted vs measured: {plan_path} / {run_path}")
+    t = Table(title=f"predicted vs measured: {escape(str(plan_path))} / {escape(str(run_path))}")
     for col in ("stage", "ranks", "predicted MiB", "measured MiB", "error"):
         t.add_column(col, justify="right")
     worst = 0.0
@@ -483,7 +510,7 @@ def verify(
 
 
 def print_run(run) -> None:
-    t = Table(title=f"run of {run.plan_path}: {run.world_size} ranks, {run.steps} steps")
+    t = Table(title=f"run of {escape(run.plan_path)}: {run.world_size} ranks, {run.steps} steps")
     for col in ("rank", "pp", "dp", "tp", "peak MiB", "median step s"):
         t.add_column(col, justify="right")
     for r in run.ranks:

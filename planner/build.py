@@ -8,7 +8,7 @@ from pathlib import Path
 from profiles.schema import Profile
 
 from .cost import CostModel, Prediction
-from .hardware import Hardware
+from .hardware import Hardware, format_size, size_flag_at_least
 from .plan import LayerChoice, OptimizerConfig, Plan, Predicted, PredictedStage, Stage, fsdp_unit
 from .search import SearchResult, Solution, SolveOptions, search
 
@@ -80,9 +80,13 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
     lines = []
     if result.closest:
         cand, need = result.closest
-        lines.append(f"The smallest layout ({cand.describe()}) needs at least {gib(need)} per GPU, "
-                     f"{gib(need - memory_limit)} more than the {gib(memory_limit)} limit.")
-        lines.append(f"It would fit with --memory-limit {gib_flag(need)} or a GPU with that much usable memory.")
+        over = max(0, need - memory_limit)
+        frugal = [w for w, on in (("checkpointed", opts.checkpoint != "none"),
+                                  ("offloaded", opts.offload == "auto" and cand.allow_offload)) if on]
+        lines.append(f"The layout that needs the least memory ({cand.describe()}"
+                     f"{', every layer ' + ' and '.join(frugal) if frugal else ''}) peaks at "
+                     f"{format_size(need)} per GPU, {format_size(over)} more than the {format_size(memory_limit)} limit.")
+        lines.append(f"It would fit with --memory-limit {size_flag_at_least(need)} or a GPU with that much usable memory.")
     for factor in (2, 4, 8):
         more = SolveOptions(**{**opts.__dict__, "gpus": opts.gpus * factor, "top_k": 1,
                                "dp": None, "global_batch": opts.batch})
@@ -98,14 +102,6 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
     if opts.checkpoint == "none" or opts.offload == "none":
         lines.append("Allowing --checkpoint auto and --offload auto lowers memory further.")
     return lines
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def gib_flag(n: float) -> str:
-    return f"{-(-int(n) // 2**20)}MiB"
 
 
 def cost_model(profile: Profile, hw: Hardware, opts: SolveOptions) -> CostModel:

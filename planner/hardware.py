@@ -461,6 +461,28 @@ def parse_size(text: str | int, what: str = "size") -> int:
     return int(_parse(text, "size", what))
 
 
+_SIZE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_size(n: float) -> str:
+    """A byte count in the unit that suits it: "512 B", "3.41 MiB", "72.0 GiB", "1,051 GiB"."""
+    for unit, scale in _SIZE_UNITS:
+        if abs(n) >= scale and (unit != "TiB" or abs(n) >= 10 * scale):
+            v = n / scale
+            return f"{v:,.2f} {unit}" if abs(v) < 10 else (f"{v:,.1f} {unit}" if abs(v) < 100 else f"{v:,.0f} {unit}")
+    return f"{n:,.0f} B"
+
+
+def size_flag_at_least(n: float) -> str:
+    """A --memory-limit value (parse_size reads it) of at least `n` bytes, in a unit that suits it."""
+    import math
+    unit, scale = next(((u, sc) for u, sc in _SIZE_UNITS[1:] if n >= sc), _SIZE_UNITS[-1])
+    hundredths = math.ceil(n / scale * 100)
+    while parse_size(f"{hundredths / 100:g}{unit}") < n:    # the float rounded down
+        hundredths += 1
+    return f"{hundredths / 100:g}{unit}"
+
+
 def parse_bandwidth(text: str | int | float) -> float:
     """Bytes/s from a number or a string like "900GB/s", "1.5TB/s", "400Gb/s" (gigabits)."""
     return float(_parse(text, "bandwidth", "bandwidth"))
@@ -840,6 +862,9 @@ PRESETS: dict[str, Hardware] = {
 def _did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+DEFAULT_HARDWARE = "h100-sxm-80g"   # what `plan solve` and `plan profile --fake` assume unless told
 
 
 def get_hardware(name: str) -> Hardware:

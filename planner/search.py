@@ -68,7 +68,7 @@ class SearchResult:
     solved: int                                        # how many MILPs with memory rows ran
     pruned: int                                        # skipped by the time bound, or cut off by the K-th best time
     infeasible: int                                    # proven not to fit (bound or MILP)
-    closest: tuple[Candidate, int] | None = None       # when nothing fits: the layout with the smallest peak, and that peak
+    closest: tuple[Candidate, int] | None = None       # when nothing fits: the candidate whose frugal layout peaks lowest, and that peak
     free_solved: int = 0                               # memory-free MILPs (the candidate's fastest layout, no limit)
     free_fits: int = 0                                 # of those, layouts that fit: the candidate's optimum, no memory MILP needed
     notes: list[str] = field(default_factory=list)
@@ -259,7 +259,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     if opts.hardware.device_type == "cpu" and busy > opts.hardware.host_cores:
         result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "
                             "their compute is costed slower by as many as are busy at once (docs/cost-model.md)")
-    closest: tuple[Candidate, int] | None = None
+    misses: list[tuple[int, Candidate]] = []     # (memory lower bound, candidate) of those that do not fit
     one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     free_layouts: dict[Candidate, Layout] = {}   # 1F1B twin -> its memory-free MILP's answer
     for k, (bound, cand) in enumerate(bounded):
@@ -272,8 +272,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         need = memory_lower_bound(model, cand, choices)
         if need > model.memory_limit:
             result.infeasible += 1
-            if closest is None or need < closest[1]:
-                closest = (cand, need)
+            misses.append((need, cand))
             continue
         # Once K layouts are in hand, a candidate matters only if it can beat the K-th.
         full = len(result.solutions) >= opts.top_k
@@ -297,7 +296,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
                 result.pruned += 1
                 continue
-            free_stages = simplify(model, cand, free.stages)
+            free_stages = simplify(model, cand, free.stages, keep_checkpoints=opts.checkpoint == "all")
             free_pred = model.evaluate(cand, free_stages)
             if free_pred.fits:
                 result.free_fits += 1
@@ -326,10 +325,9 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         if layout.stages is None:
             result.infeasible += 1
-            if closest is None or need < closest[1]:
-                closest = (cand, need)
+            misses.append((need, cand))
             continue
-        stages = simplify(model, cand, layout.stages)
+        stages = simplify(model, cand, layout.stages, keep_checkpoints=opts.checkpoint == "all")
         pred = model.evaluate(cand, stages)
         if not pred.fits:
             # The MILP's rows are the walk's records, so this means a solver tolerance let a
@@ -345,9 +343,32 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         del result.solutions[opts.top_k:]
     if on_progress:
         on_progress(len(bounded), len(bounded))
-    if not result.solutions:
-        result.closest = closest
+    if not result.solutions and misses:
+        result.closest = closest_miss(model, opts, misses)
     return result
+
+
+CLOSEST_TRIED = 32   # no-fit explanation: frugal layouts evaluated, of the candidates with the lowest bounds
+
+
+def closest_miss(model: CostModel, opts: SolveOptions, misses: list[tuple[int, Candidate]]) -> tuple[Candidate, int]:
+    """Of the candidates that do not fit, the one whose frugal layout peaks lowest, and that
+    peak: a layout that fits once the limit is that high (a lower bound would not be one)."""
+    tried = []
+    for _, cand in sorted(misses, key=lambda t: (t[0], t[1]))[:CLOSEST_TRIED]:
+        stages = frugal_layout(model, cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload))
+        tried.append((model.evaluate(cand, stages).peak_bytes, cand))
+    peak, cand = min(tried, key=lambda t: (t[0], t[1]))
+    return cand, peak
+
+
+def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, bool, bool]]]:
+    """Layers split evenly over the stages, each with the choice that keeps the least on the
+    device (checkpointed, and offloaded where offload is open)."""
+    c = max(choices, key=lambda ch: (ch.offload, ch.checkpoint))
+    n, pp = model.profile.n_layers, cand.pp
+    bounds = [round(k * n / pp) for k in range(pp + 1)]
+    return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(pp)]
 
 
 FREE_TIME_LIMIT_S = 2.0   # the memory-free MILP is a shortcut: past this, the full MILP decides
@@ -404,8 +425,9 @@ def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candi
     return twin in one_f_one_b and one_f_one_b[twin] <= free_step_s * (1 + 1e-9)
 
 
-def simplify(model: CostModel, cand: Candidate, stages):
-    """Drop checkpointing or offload the solver chose where it buys nothing.
+def simplify(model: CostModel, cand: Candidate, stages, keep_checkpoints: bool = False):
+    """Drop checkpointing or offload the solver chose where it buys nothing (checkpoints stay
+    when `keep_checkpoints`: the user pinned them, `--checkpoint all`).
 
     The MILP only minimises step time, so a stage that is not the slowest may carry
     checkpointing it does not need. Undo one layer's checkpoint or offload at a time (the
@@ -419,7 +441,7 @@ def simplify(model: CostModel, cand: Candidate, stages):
     while changed:                                    # until a whole pass changes nothing
         changed = False
         for s, st in enumerate(stages):
-            for flag in (1, 2):                       # 1: checkpoint, 2: offload
+            for flag in ((2,) if keep_checkpoints else (1, 2)):   # 1: checkpoint, 2: offload
                 refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
                     kind = (signature[st[j][0]], st[j][1:])

@@ -1,0 +1,47 @@
+"""The limits the planner must hold (issue 14): what a user pins stays pinned, host memory is
+checked, a no-fit explanation makes sense, and node boundaries hold. Torch-free."""
+
+import random
+
+from planner.hardware import PRESETS, Hardware
+from planner.search import SolveOptions, search
+from tests.synthetic import random_profile
+
+
+def roomy_cpu() -> Hardware:
+    """The cpu preset with memory to spare: nothing needs checkpointing or offload."""
+    return Hardware.from_json({**PRESETS["cpu"].to_json(), "memory_bytes": 1 << 40, "name": "roomy"})
+
+
+def test_pinned_checkpoint_all_stays_in_every_layout():
+    """--checkpoint all reproduces a full-recompute run: the simplification that drops
+    checkpoints memory does not need must leave pinned ones alone."""
+    prof = random_profile(random.Random(3), 6)
+    for gpus in (1, 2, 4):
+        result = search(prof, SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, checkpoint="all", top_k=3))
+        assert result.solutions
+        for sol in result.solutions:
+            assert all(ck for st in sol.stages for _, ck, _ in st), sol.candidate.describe()
+        free = search(prof, SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, top_k=1))
+        assert not any(ck for st in free.solutions[0].stages for _, ck, _ in st)   # so "all" was kept, not free
+
+
+def test_no_fit_explanation_names_a_limit_that_fits():
+    """When nothing fits, the shortfall is positive, in a unit that suits it, and the limit it
+    suggests is one at which a layout fits (a lower bound on memory is not such a limit)."""
+    import re
+
+    from planner.build import explain_no_fit
+    from planner.hardware import parse_size
+    prof = random_profile(random.Random(5), 6)
+    for gpus, limit in ((1, 1024), (2, 200 << 10), (4, 300 << 10)):
+        opts = SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, memory_limit=limit, top_k=1)
+        result = search(prof, opts)
+        assert not result.solutions
+        text = " ".join(explain_no_fit(prof, opts, result, limit))
+        assert not re.search(r"(?<![\w-])-\d", text), text      # no negative figure
+        assert not re.search(r"\b0\.00 [KMG]iB", text), text
+        flag = re.search(r"--memory-limit (\S+)", text).group(1)
+        refit = search(prof, SolveOptions(**{**opts.__dict__, "memory_limit": parse_size(flag)}))
+        assert refit.solutions, (flag, text)
+        assert refit.solutions[0].prediction.peak_bytes <= parse_size(flag)
