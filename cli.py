@@ -382,6 +382,7 @@ def print_top(result, limit: int) -> None:
 
 
 def print_plan(plan) -> None:
+    from planner.hardware import format_size
     pred = plan.predicted
     t = Table(title=f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
                     f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch} (MiB)")
@@ -397,7 +398,9 @@ def print_plan(plan) -> None:
     out.print(t)
     if pred:
         out.print(f"predicted step {pred.step_time_s:.4f} s, {pred.samples_per_s:,.1f} samples/s, "
-                  f"MFU {100 * pred.mfu:.1f}%, peak {mib(pred.peak_bytes)} of {mib(plan.memory_limit_bytes)} MiB")
+                  f"MFU {100 * pred.mfu:.1f}%, peak {mib(pred.peak_bytes)} of {mib(plan.memory_limit_bytes)} MiB"
+                  + (f"; offloaded states fill {format_size(pred.host_peak_bytes)} of a node's host memory"
+                     if pred.host_peak_bytes else ""), highlight=False)
 
 
 def _ranges(xs: list[int]) -> str:

@@ -8,9 +8,9 @@ from pathlib import Path
 from profiles.schema import Profile
 
 from .cost import CostModel, Prediction
-from .hardware import Hardware, format_size, size_flag_at_least
+from .hardware import HOST_USABLE_FRACTION, Hardware, format_size, size_flag_at_least
 from .plan import LayerChoice, OptimizerConfig, Plan, Predicted, PredictedStage, Stage, fsdp_unit
-from .search import SearchResult, Solution, SolveOptions, search
+from .search import SearchResult, Solution, SolveError, SolveOptions, frugal_fit
 
 
 def predicted(pred: Prediction) -> Predicted:
@@ -21,7 +21,7 @@ def predicted(pred: Prediction) -> Predicted:
                                peak_phase=s.memory.phase, micro_batch_s=s.micro_batch_s, step_extra_s=s.step_extra_s)
                 for s in pred.stages],
         peak_bytes=pred.peak_bytes, step_time_s=pred.step_s, components_s=pred.components,
-        samples_per_s=pred.samples_per_s, mfu=pred.mfu)
+        samples_per_s=pred.samples_per_s, mfu=pred.mfu, host_peak_bytes=pred.host_peak_bytes)
 
 
 def summary(sol: Solution) -> dict:
@@ -79,23 +79,28 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
     """Sentences for the user when no layout fits: how far off, and what would fit."""
     lines = []
     if result.closest:
-        cand, need = result.closest
-        over = max(0, need - memory_limit)
+        pred = result.closest
+        cand, need = pred.candidate, pred.peak_bytes
         frugal = [w for w, on in (("checkpointed", opts.checkpoint != "none"),
                                   ("offloaded", opts.offload == "auto" and cand.allow_offload)) if on]
-        lines.append(f"The layout that needs the least memory ({cand.describe()}"
-                     f"{', every layer ' + ' and '.join(frugal) if frugal else ''}) peaks at "
-                     f"{format_size(need)} per GPU, {format_size(over)} more than the {format_size(memory_limit)} limit.")
-        lines.append(f"It would fit with --memory-limit {size_flag_at_least(need)} or a GPU with that much usable memory.")
+        layout = f"{cand.describe()}{', every layer ' + ' and '.join(frugal) if frugal else ''}"
+        if need > memory_limit:
+            lines.append(f"The layout that needs the least memory ({layout}) peaks at {format_size(need)} per GPU, "
+                         f"{format_size(need - memory_limit)} more than the {format_size(memory_limit)} limit.")
+            lines.append(f"It would fit with --memory-limit {size_flag_at_least(need)} or a GPU with that much usable memory.")
+        if pred.host_limit is not None and pred.host_peak_bytes > pred.host_limit:
+            lines.append(f"The layout that needs the least GPU memory ({layout}) offloads {format_size(pred.host_peak_bytes)} "
+                         f"of model states to the host memory of one node, more than the {format_size(pred.host_limit)} "
+                         f"plans may use there ({HOST_USABLE_FRACTION:.0%} of host_memory_bytes); more GPUs share them out.")
     for factor in (2, 4, 8):
         more = SolveOptions(**{**opts.__dict__, "gpus": opts.gpus * factor, "top_k": 1,
                                "dp": None, "global_batch": opts.batch})
         try:
-            found = search(profile, more)
-        except Exception:  # noqa: BLE001 - pinned flags may not scale; then say nothing about it
+            found = frugal_fit(profile, more)
+        except SolveError:   # pinned flags may not scale; then say nothing about it
             continue
-        if found.solutions:
-            lines.append(f"With --gpus {more.gpus} it fits: {found.solutions[0].candidate.describe()}.")
+        if found:
+            lines.append(f"With --gpus {more.gpus} it fits, e.g. {found.describe()}.")
             break
     if opts.micro_batch and opts.micro_batch > 1:
         lines.append("A smaller --micro-batch (or leaving it unpinned) lowers activation memory.")

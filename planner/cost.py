@@ -117,6 +117,7 @@ class StagePrediction:
     micro_batch_s: float    # one micro-batch's forward + backward on this stage, comms included
     step_extra_s: float     # once per step: exposed gradient sync + optimizer
     parts: dict[str, float] = field(default_factory=dict)  # micro_batch_s and step_extra_s by component (stage_parts)
+    host_bytes: int = 0     # host memory one rank of the stage fills with offloaded states
 
 
 @dataclass
@@ -128,6 +129,8 @@ class Prediction:
     samples_per_s: float
     mfu: float
     memory_limit: int
+    host_peak_bytes: int = 0     # the fullest node's host memory: offloaded states of all its ranks
+    host_limit: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -135,7 +138,7 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.memory_limit
+        return self.peak_bytes <= self.memory_limit and (self.host_limit is None or self.host_peak_bytes <= self.host_limit)
 
 
 def must_offload(cand: Candidate, precision: str) -> bool:
@@ -241,6 +244,7 @@ class CostModel:
 
         unsharded = full_numel * self.compute_isz                 # the copy FSDP2 gathers compute onto
         gather_flat = d * shard_numel * self.compute_isz if (mode in ("shard", "shard_keep") and d > 1) else 0
+        host = weights + grads + optim if offload else 0     # CPUOffloadPolicy: the shard's states live on the host
         if offload:
             weights = grads = optim = 0
 
@@ -281,7 +285,7 @@ class CostModel:
         mem = LayerMemory(weights=weights, grads=grads, optim=optim, buffers=lp.buffer_bytes,
                           input=s.input_bytes, output=s.output_bytes, own=own, keeps_input=keeps_in,
                           keeps_output=keeps_out, fwd_transient=fwd_t, bwd_peak=bwd_p, bwd_accum_peak=bwd_a,
-                          **fsdp_mem)
+                          host=host, **fsdp_mem)
 
         # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
@@ -488,9 +492,32 @@ class CostModel:
         for s, choices in enumerate(stages):
             mem = self.stage_memory(cand, s, choices)
             per_mb, per_step = self.stage_times(cand, s, choices)
+            costs, _ = self.stage_costs(cand, s, choices)
             preds.append(StagePrediction(s, [c[0] for c in choices], mem, per_mb, per_step,
-                                         self.stage_parts(cand, s, choices, per_mb, per_step)))
+                                         self.stage_parts(cand, s, choices, per_mb, per_step),
+                                         host_bytes=sum(c.memory.host for c in costs)))
         return self.finish(cand, preds)
+
+    def ranks_per_stage_on_nodes(self, cand: Candidate) -> list[tuple[int, ...]]:
+        """For each distinct kind of node, how many of its ranks hold each pipeline stage.
+        Ranks are numbered pp-major with tp innermost (runtime/parallel_dims.MESH_DIMS), so a
+        node holds a contiguous block of gpus_per_node ranks."""
+        per_stage, world = cand.dp * cand.tp, cand.world_size
+        key = ("nodes", cand.pp, per_stage)
+        if key not in self._cache:
+            g = min(self.gpus_per_node, world)
+            kinds = set()
+            for first in range(0, world, g):
+                counts = [0] * cand.pp
+                for rank in range(first, min(first + g, world)):
+                    counts[rank // per_stage] += 1
+                kinds.add(tuple(counts))
+            self._cache[key] = sorted(kinds)
+        return self._cache[key]
+
+    def host_peak_bytes(self, cand: Candidate, stage_host: list[int]) -> int:
+        """The fullest node's host memory: every rank's offloaded states (`stage_host`: one rank of each stage)."""
+        return max(sum(n * h for n, h in zip(counts, stage_host)) for counts in self.ranks_per_stage_on_nodes(cand))
 
     def stage_parts(self, cand: Candidate, stage: int, choices, per_mb: float, per_step: float) -> dict[str, float]:
         """One stage's time per micro-batch and once per step by component (they add up to both)."""
@@ -525,7 +552,8 @@ class CostModel:
         comps["optimizer"] = fp["optimizer"]
         comps["total"] = step
         return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,
-                          self.memory_limit)
+                          self.memory_limit, self.host_peak_bytes(cand, [p.host_bytes for p in preds]),
+                          self.hw.usable_host_bytes())
 
 
 def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes: float, zero: int, dp: int) -> float:

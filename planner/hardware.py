@@ -145,6 +145,9 @@ class CollectiveFit:
         return self.latency_s + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
+HOST_USABLE_FRACTION = 0.8   # a design choice, not a measurement: what a node's host memory leaves to offload
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -239,6 +242,12 @@ class Hardware:
     def usable_memory_bytes(self) -> int:
         """The bytes of device memory a plan may fill: memory_bytes * usable_fraction, rounded down."""
         return int(self.memory_bytes * self.usable_fraction)
+
+    def usable_host_bytes(self) -> int:
+        """The bytes of a node's host memory offloaded model states may fill: HOST_USABLE_FRACTION
+        of host_memory_bytes; the rest is left to the OS, the page cache, data loading and the
+        ranks' own processes (CUDA context, pinned staging buffers, the Python heap)."""
+        return int(self.host_memory_bytes * HOST_USABLE_FRACTION)
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

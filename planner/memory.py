@@ -57,6 +57,7 @@ class LayerMemory:
     step_grads: int | None = None       # gradients at the optimizer step, when not `grads` (pipelining
                                         # accumulates unsharded gradients and reduces them at the end)
     final_reduce_flat: int = 0          # the reduce-scatter input of that final reduction
+    host: int = 0                       # host memory this rank keeps for the layer (offloaded states)
 
 
 @dataclass

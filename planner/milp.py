@@ -431,6 +431,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             prob += exposed[s] >= terms.sync_minus_window * MS, f"time_s{s}_exposed_sync"
         prob += omega >= exposed[s] + terms.step * MS, f"time_s{s}_once_per_step"
 
+    # -- host memory: a node's ranks together keep their offloaded states within its host memory
+    if limit is not None and any(cost[k].memory.host for k in cost):
+        host_limit = model.hw.usable_host_bytes()
+        stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for r in range(R) for c in choices if c.offload)
+                      for s in range(S)]
+        for kind, counts in enumerate(model.ranks_per_stage_on_nodes(cand)):   # CostModel.host_peak_bytes, as rows
+            node = lp.lin_sum(n * h for n, h in zip(counts, stage_host) if n)
+            prob += node * (1 / host_limit) <= 1, f"host_memory_node_kind{kind}"
+
     step_time = model.pipeline_step_s(m, lp.lin_sum(stage_times.values()), tau, omega)
     prob += step_time, "step_time"
 

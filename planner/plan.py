@@ -86,6 +86,7 @@ class Predicted:
     components_s: dict[str, float]    # the step by component (cost.Prediction.components); they add up to it
     samples_per_s: float
     mfu: float
+    host_peak_bytes: int = 0          # the fullest node's host memory holding offloaded states
 
     @classmethod
     def from_json(cls, d: dict) -> "Predicted":

@@ -68,7 +68,7 @@ class SearchResult:
     solved: int                                        # how many MILPs with memory rows ran
     pruned: int                                        # skipped by the time bound, or cut off by the K-th best time
     infeasible: int                                    # proven not to fit (bound or MILP)
-    closest: tuple[Candidate, int] | None = None       # when nothing fits: the candidate whose frugal layout peaks lowest, and that peak
+    closest: Prediction | None = None                  # when nothing fits: the frugal layout that comes closest
     free_solved: int = 0                               # memory-free MILPs (the candidate's fastest layout, no limit)
     free_fits: int = 0                                 # of those, layouts that fit: the candidate's optimum, no memory MILP needed
     notes: list[str] = field(default_factory=list)
@@ -351,15 +351,32 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
 CLOSEST_TRIED = 32   # no-fit explanation: frugal layouts evaluated, of the candidates with the lowest bounds
 
 
-def closest_miss(model: CostModel, opts: SolveOptions, misses: list[tuple[int, Candidate]]) -> tuple[Candidate, int]:
-    """Of the candidates that do not fit, the one whose frugal layout peaks lowest, and that
-    peak: a layout that fits once the limit is that high (a lower bound would not be one)."""
+def closest_miss(model: CostModel, opts: SolveOptions, misses: list[tuple[int, Candidate]]) -> Prediction:
+    """Of the candidates that do not fit, the frugal layout that peaks lowest on the device
+    (then on the host): a layout that fits once the limits are that high (a lower bound on
+    memory would not be one)."""
     tried = []
     for _, cand in sorted(misses, key=lambda t: (t[0], t[1]))[:CLOSEST_TRIED]:
         stages = frugal_layout(model, cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload))
-        tried.append((model.evaluate(cand, stages).peak_bytes, cand))
-    peak, cand = min(tried, key=lambda t: (t[0], t[1]))
-    return cand, peak
+        tried.append(model.evaluate(cand, stages))
+    return min(tried, key=lambda p: (p.peak_bytes, p.host_peak_bytes, p.candidate))
+
+
+def frugal_fit(profile: Profile, opts: SolveOptions) -> Candidate | None:
+    """A candidate whose frugal layout fits, or None: a quick, sufficient test (no MILP) of
+    whether anything fits, for the no-fit explanation's "with more GPUs"."""
+    check_options(profile, opts)
+    model = CostModel(profile, opts.hardware, opts.node_size, opts.memory_limit)
+    bounded = []
+    for cand in enumerate_candidates(profile, opts):
+        choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
+        bound = memory_lower_bound(model, cand, choices)
+        if bound <= model.memory_limit:
+            bounded.append((bound, cand, choices))
+    for _, cand, choices in sorted(bounded, key=lambda t: (t[0], t[1]))[:CLOSEST_TRIED]:
+        if model.evaluate(cand, frugal_layout(model, cand, choices)).fits:
+            return cand
+    return None
 
 
 def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, bool, bool]]]:

@@ -34,7 +34,7 @@ def test_no_fit_explanation_names_a_limit_that_fits():
     from planner.build import explain_no_fit
     from planner.hardware import parse_size
     prof = random_profile(random.Random(5), 6)
-    for gpus, limit in ((1, 1024), (2, 200 << 10), (4, 300 << 10)):
+    for gpus, limit in ((1, 1024), (2, 300 << 10), (4, 400 << 10)):
         opts = SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, memory_limit=limit, top_k=1)
         result = search(prof, opts)
         assert not result.solutions
@@ -45,3 +45,32 @@ def test_no_fit_explanation_names_a_limit_that_fits():
         refit = search(prof, SolveOptions(**{**opts.__dict__, "memory_limit": parse_size(flag)}))
         assert refit.solutions, (flag, text)
         assert refit.solutions[0].prediction.peak_bytes <= parse_size(flag)
+
+
+def hardware(memory: int, host: int) -> Hardware:
+    return Hardware.from_json({**PRESETS["cpu"].to_json(), "memory_bytes": memory, "host_memory_bytes": host,
+                               "name": "tight"})
+
+
+def test_offloaded_states_of_a_node_fit_its_host_memory():
+    """A layout that offloads may not fill more of a node's host memory than plans may use:
+    every rank of the node keeps its offloaded states there."""
+    from planner.build import explain_no_fit
+    prof = random_profile(random.Random(11), 6, byte_scale=2**10)      # 1.5 GiB of model states
+    opts = dict(gpus=2, gpus_per_node=2, global_batch=4, top_k=3)
+    roomy = search(prof, SolveOptions(hardware=hardware(512 << 20, 1 << 50), **opts))
+    offloading = [s for s in roomy.solutions if s.prediction.host_peak_bytes]
+    assert offloading, "the device is too small to train without offload"
+    need = max(s.prediction.host_peak_bytes for s in offloading)
+    host = int(need * 0.7 / 0.8)                    # usable host memory: 70% of what those layouts fill
+    tight = search(prof, SolveOptions(hardware=hardware(512 << 20, host), **opts))
+    usable = hardware(512 << 20, host).usable_host_bytes()
+    for sol in tight.solutions:
+        assert sol.prediction.host_peak_bytes <= usable, sol.candidate.describe()
+    assert [s.candidate for s in tight.solutions] != [s.candidate for s in roomy.solutions] or \
+        any(a.stages != b.stages for a, b in zip(tight.solutions, roomy.solutions))
+    none = SolveOptions(hardware=hardware(512 << 20, 1 << 20), **opts)
+    result = search(prof, none)
+    assert not result.solutions
+    text = " ".join(explain_no_fit(prof, none, result, none.hardware.usable_memory_bytes()))
+    assert "host memory" in text, text

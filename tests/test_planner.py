@@ -58,7 +58,8 @@ def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
                 if mem.peak > model.memory_limit:
                     continue
                 per_mb, once = model.stage_times(cand, s, ch)
-                opts.append((per_mb, once, any(c.offload for c in picks)))
+                host = sum(model.layer(cand, i, ck, off).memory.host for i, ck, off in ch)
+                opts.append((per_mb, once, any(c.offload for c in picks), host))
             stage_cache[key] = opts
         return stage_cache[key]
 
@@ -70,6 +71,11 @@ def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
             continue
         for combo in itertools.product(*options):
             if need_offload and not any(c[2] for c in combo):
+                continue
+            # Host memory: rank r holds stage r // (dp tp); a node, gpus_per_node ranks in a row.
+            per_rank = [combo[r // (cand.dp * cand.tp)][3] for r in range(cand.world_size)]
+            g = model.gpus_per_node
+            if max(sum(per_rank[k:k + g]) for k in range(0, len(per_rank), g)) > model.hw.usable_host_bytes():
                 continue
             # Every stage's micro-batch once, m - 1 more of the slowest, the fullest step work.
             step = sum(c[0] for c in combo) + (cand.num_micro_batches - 1) * max(c[0] for c in combo) \
