@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from planner.hardware import DEFAULT_HARDWARE
+from runtime.launch import DEFAULT_TIMEOUT_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console()
@@ -424,34 +425,46 @@ def _ranges(xs: list[int]) -> str:
 @app.command()
 def run(
     plan_path: Path = typer.Argument(Path("plan.json"), metavar="[PLAN]"),
-    steps: Optional[int] = typer.Option(None, help="Training steps (default: the runtime's)."),
-    run_out: Optional[Path] = typer.Option(None, "--out", help="Where rank 0 writes run.json."),
-    nnodes: int = typer.Option(1, help="Nodes (torchrun --nnodes)."),
+    steps: Optional[int] = typer.Option(None, help="Training steps (default: the runtime's, 6)."),
+    run_out: Optional[Path] = typer.Option(None, "--out", help="Where rank 0 writes run.json (default: run.json here)."),
+    nnodes: Optional[int] = typer.Option(None, help="Nodes (torchrun --nnodes; default: the plan's)."),
     node_rank: int = typer.Option(0, help="This node's rank (torchrun --node-rank)."),
     rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (several nodes)."),
+    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, help="Seconds a collective may wait for the other ranks before the run stops with the rank that waited."),
     print_only: bool = typer.Option(False, "--print", help="Only print the torchrun command."),
+    slurm: bool = typer.Option(False, "--slurm", help="Only print an sbatch script that runs the plan on its nodes."),
 ):
-    """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`)."""
+    """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`); Ctrl-C stops every rank."""
     import os
     import shlex
-    import subprocess
 
     from planner.plan import load_plan
-    from runtime.launch import build_command
+    from runtime.launch import build_command, run_torchrun, slurm_script
+    if steps is not None and steps < 1:
+        fail(f"--steps is {steps}; give 1 or more.")
+    if not timeout > 0:
+        fail(f"--timeout is {timeout:g}; give a positive number of seconds.")
     try:
         plan = load_plan(plan_path)
+        if nnodes is not None and nnodes != plan.nodes:
+            fail(f"the plan lays its {plan.world_size} ranks out on {plan.nodes} node(s) of {plan.gpus_per_node}; "
+                 f"pass --nnodes {plan.nodes}, or solve again with --gpus-per-node for your nodes.")
+        nnodes = plan.nodes
+        if slurm:
+            out.print(escape(slurm_script(plan_path, plan, steps, run_out, timeout)), highlight=False, soft_wrap=True)
+            return
+        cmd = build_command(str(plan_path), plan, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                            steps=steps, out=str(run_out) if run_out else None, timeout_s=timeout)
         if not print_only:
             # What every rank would refuse, refused here once, before torchrun starts.
             from profiles.model_file import load_spec
             load_spec(plan.model)
-        cmd = build_command(str(plan_path), plan, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                            steps=steps, out=str(run_out) if run_out else None)
+            check_writable(run_out or Path("run.json"))
+            check_devices(plan, plan.world_size // nnodes)
     except expected_errors() as e:
         fail(str(e))
     except ValueError as e:
         fail(f"{e}; check --nnodes, --node-rank and --rdzv-endpoint.")
-    if steps is not None and steps < 1:
-        fail(f"--steps is {steps}; give 1 or more.")
     out.print(escape(shlex.join(cmd)), highlight=False, soft_wrap=True)
     if print_only:
         return
@@ -460,9 +473,25 @@ def run(
     env = {**os.environ}
     if plan.device_type == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(plan.threads))
-    code = subprocess.call(cmd, env=env)
+    code, signal_name = run_torchrun(cmd, env)
+    if signal_name:
+        err.print(f"interrupted ({signal_name}): stopped torchrun and its {plan.world_size // nnodes} ranks.", highlight=False)
+        raise typer.Exit(130 if signal_name == "SIGINT" else 143)
     if code:
-        raise typer.Exit(code)
+        err.print(f"[bold red]error:[/] the run failed (torchrun exit code {code}); the ranks' messages are above.",
+                  highlight=False)
+        raise typer.Exit(code if 0 < code < 128 else 1)
+
+
+def check_devices(plan, per_node: int) -> None:
+    """A CUDA plan needs its GPUs on this node before anything starts."""
+    if plan.device_type != "cuda":
+        return
+    import torch
+    have = torch.cuda.device_count()
+    if have < per_node:
+        fail(f"the plan runs {per_node} ranks on CUDA GPUs per node but torch sees {have} here; run it on a node "
+             "with the GPUs, or solve for CPU processes with `plan solve --hardware cpu`.")
 
 
 @app.command()

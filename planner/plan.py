@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiles.schema import read_json_document, write_json_atomic
+from profiles.schema import OPTIMIZERS, PRECISIONS, read_json_document, write_json_atomic
 
 PLAN_SCHEMA_VERSION = 2
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -117,6 +117,20 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     momentum: float = 0.9      # for "momentum"
 
+    def problem(self) -> str | None:
+        """What a rank would refuse or crash on, or None."""
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+        if self.name not in OPTIMIZERS:
+            return f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}"
+        for name in ("lr", "eps", "weight_decay", "momentum"):
+            v = getattr(self, name)
+            if not number(v) or v < 0 or (name == "lr" and v == 0):
+                return f"the optimizer's {name} is {v!r}, not a {'positive' if name == 'lr' else 'non-negative'} number"
+        if len(self.betas) != 2 or not all(number(b) and 0 <= b < 1 for b in self.betas):
+            return f"the optimizer's betas are {list(self.betas)!r}, not two numbers in [0, 1)"
+        return None
+
 
 @dataclass
 class Plan:
@@ -160,6 +174,11 @@ class Plan:
     def wrapped(self) -> bool:
         """Whether the runtime wraps any layer (then each stage is a fully_shard root too)."""
         return any(lc.unit != "plain" for s in self.stages for lc in s.layers)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the plan runs on: gpus_per_node ranks each (validate: a whole number)."""
+        return max(1, self.world_size // self.gpus_per_node)
 
     @property
     def n_layers(self) -> int:
@@ -213,6 +232,8 @@ class Plan:
                 bad(f"{name} is {v!r}, not a positive integer")
         if self.dp * self.tp * self.pp != self.world_size:
             bad(f"dp {self.dp} x tp {self.tp} x pp {self.pp} is not the world size {self.world_size}")
+        if self.world_size > self.gpus_per_node and (self.world_size % self.gpus_per_node or self.gpus_per_node % self.tp):
+            bad(f"its {self.world_size} ranks do not fill nodes of {self.gpus_per_node} GPUs with whole TP groups of {self.tp}")
         if self.micro_batch_size * self.num_micro_batches * self.dp != self.global_batch:
             bad(f"micro-batch {self.micro_batch_size} x {self.num_micro_batches} micro-batches x dp {self.dp} is not the global batch {self.global_batch}")
         if self.zero not in (0, 1, 2, 3):
@@ -221,6 +242,11 @@ class Plan:
             bad(f"schedule is {self.schedule!r}, not one of {', '.join(SCHEDULES)}")
         if self.device_type not in ("cpu", "cuda"):
             bad(f"device_type is {self.device_type!r}, not cpu or cuda")
+        if self.precision not in PRECISIONS:
+            bad(f"precision is {self.precision!r}, not one of {', '.join(PRECISIONS)}")
+        problem = self.optimizer.problem()
+        if problem:
+            bad(problem)
         if not self.stages or len(self.stages) % self.pp:
             bad(f"it has {len(self.stages)} stages for pp {self.pp}")
         if sorted(s.index for s in self.stages) != list(range(len(self.stages))):

@@ -51,7 +51,7 @@ class SolveOptions:
 
     @property
     def batch(self) -> int:
-        return self.global_batch or 8 * self.gpus
+        return 8 * self.gpus if self.global_batch is None else self.global_batch
 
 
 @dataclass
@@ -83,6 +83,13 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
     n = opts.gpus
     if n < 1:
         raise SolveError(f"--gpus is {n}; give a positive number of GPUs.")
+    if opts.memory_limit is not None and opts.memory_limit < 1:
+        raise SolveError(f"--memory-limit is {opts.memory_limit} bytes; give a positive size such as 70GiB.")
+    if opts.gpus_per_node is not None and opts.gpus_per_node < 1:
+        raise SolveError(f"--gpus-per-node is {opts.gpus_per_node}; give a positive number of GPUs.")
+    if n > opts.node_size and n % opts.node_size:
+        raise SolveError(f"--gpus {n} is not a whole number of nodes of {opts.node_size} GPUs (torchrun starts as many "
+                         f"processes on every node); use a multiple of {opts.node_size}, or the --gpus-per-node your nodes have.")
     for name in ("dp", "tp", "pp", "micro_batch"):
         v = getattr(opts, name)
         if v is not None and v < 1:
@@ -100,8 +107,8 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--pp {opts.pp} is more pipeline stages than the model's {profile.n_layers} layers; use --pp {profile.n_layers} or fewer.")
     if opts.tp and not tp_divides(profile, opts.tp):
         raise SolveError(f"--tp {opts.tp} does not divide the dimensions the model's tp_plan splits or its tp_divides (head counts {profile.tp_divides or 'none given'}); use a tp that divides them.")
-    if opts.tp and opts.tp > opts.node_size:
-        raise SolveError(f"--tp {opts.tp} spans more than one node of {opts.node_size} GPUs; tensor parallelism stays inside a node, use --tp {opts.node_size} or less.")
+    if opts.tp and not tp_within_nodes(opts.tp, n, opts.node_size):
+        raise SolveError(f"--tp {opts.tp} groups would straddle nodes of {opts.node_size} GPUs; tensor parallelism stays inside a node, use a --tp that divides {opts.node_size}.")
     g = opts.batch
     if g < 1:
         raise SolveError(f"--global-batch is {g}; give a positive number of samples.")
@@ -129,6 +136,13 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"no layout of {n} GPUs matches the pinned flags and a global batch of {g}; unpin a degree or change --global-batch.")
 
 
+def tp_within_nodes(tp: int, gpus: int, node_size: int) -> bool:
+    """Whether every TP group lies inside one node: TP ranks are consecutive (tp innermost,
+    runtime/parallel_dims.MESH_DIMS), so tp must divide the node's GPUs once there are several
+    nodes (on one node any tp does); the cost model prices TP at the node's links."""
+    return tp <= gpus if gpus <= node_size else node_size % tp == 0
+
+
 def micro_batch_sizes(profile: Profile, per_replica: int, pinned: int | None) -> list[int]:
     """Powers of two (and the measured sizes) that divide the per-replica batch, up to 8x the
     largest measured size (beyond that the profile's linear fits are not trusted)."""
@@ -145,7 +159,7 @@ def enumerate_candidates(profile: Profile, opts: SolveOptions):
         if pp > profile.n_layers or (opts.pp and pp != opts.pp):
             continue
         for tp in divisors(n // pp):
-            if (opts.tp and tp != opts.tp) or tp > opts.node_size or not tp_divides(profile, tp):
+            if (opts.tp and tp != opts.tp) or not tp_within_nodes(tp, n, opts.node_size) or not tp_divides(profile, tp):
                 continue
             dp = n // (pp * tp)
             if (opts.dp and dp != opts.dp) or g % dp:

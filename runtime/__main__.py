@@ -28,9 +28,13 @@ from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 from profiles.schema import OPTIMIZERS, PRECISIONS
 
+from .launch import DEFAULT_TIMEOUT_S
 from .parallel_dims import ParallelDims
 from .pipeline import schedule_problem
 from .train import Trainer, build_model, reduce_losses
+
+
+EXIT_TIMEOUT = 4
 
 
 class RunError(Exception):
@@ -43,9 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="training steps; step 1 warms up, step 2 measures memory, "
                    "3..S-1 time, and (S >= 4) step S runs under the profiler for the time breakdown")
     p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a collective may wait for the other ranks before the run stops")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if not args.timeout > 0:
+        p.error("--timeout must be a positive number of seconds")
     return args
 
 
@@ -98,13 +106,20 @@ def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def init_distributed(plan: Plan) -> None:
+def init_distributed(plan: Plan, timeout_s: float) -> None:
+    timeout = timedelta(seconds=timeout_s)
     if plan.device_type == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether a collective gave up waiting (gloo: "Timed out waiting ...", NCCL's watchdog: "Timeout")."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 def device_name(plan: Plan) -> str:
@@ -128,7 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         plan, spec, model = load_run_inputs(args.plan)
     except (PlanError, RunError, ModelFileError) as e:
         refuse(str(e))
-    init_distributed(plan)
+    try:
+        return train_and_report(args, plan, spec, model)
+    except Exception as e:  # noqa: BLE001 - a hang elsewhere is expected input; anything else is a bug
+        if not is_timeout(e):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        print(f"rank {rank}: a collective waited more than {args.timeout:g} s for the other ranks (one stopped, "
+              "crashed or hangs), so the run stops; if steps really take that long, pass a larger --timeout.",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_TIMEOUT)
+
+
+def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, model: torch.nn.Sequential) -> int:
+    init_distributed(plan, args.timeout)
     mesh = ParallelDims.from_plan(plan).build_mesh(plan.device_type)
     trainer = Trainer(plan, spec, model, mesh)
     del model  # the layers of other stages go with it

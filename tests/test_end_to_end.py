@@ -110,3 +110,75 @@ def test_verify_and_show_refuse_a_damaged_or_foreign_run(flow, damage, needle):
         text = " ".join(proc.stderr.split())
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert needle in text and "Traceback" not in proc.stderr and ("run the plan again" in text or "pass the run.json" in text), (args, text)
+
+
+# -- plan run under signals and hangs: every rank stopped, one line, nothing left running ---
+
+def runtime_processes(folder: Path) -> list[int]:
+    """Ranks (`-m runtime`) running in `folder`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if b"runtime" in cmd and b"-m" in cmd and Path(cwd) == folder:
+            found.append(int(entry))
+    return found
+
+
+def start_plan_run(d: Path, *args) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.Popen([sys.executable, "-c", "from cli import app; app()", "run", "plan.json", *args], cwd=d,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_plan_run_and_every_rank(flow, signal_name, code):
+    import signal
+    import time
+    d, _ = flow
+    proc = start_plan_run(d, "--steps", "100000", "--out", "never.json")
+    deadline = time.monotonic() + 120
+    while len(runtime_processes(d)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(runtime_processes(d)) >= 2, "the ranks did not start"
+    time.sleep(2)                                   # inside training, past the process group's setup
+    proc.send_signal(getattr(signal, signal_name))
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr + stdout
+    assert f"interrupted ({signal_name})" in stderr
+    assert runtime_processes(d) == []
+    assert not (d / "never.json").exists()
+
+
+HANGING_MODEL = '''
+import os, time
+import torch, torch.nn as nn
+CALLS = [0]
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+def make_batch(b):
+    CALLS[0] += 1
+    if os.environ.get("RANK") == "1" and CALLS[0] == 3:
+        time.sleep(600)                 # rank 1 hangs in its third step
+    return torch.randn(b, 8), torch.randint(0, 4, (b,))
+'''
+
+
+def test_a_hung_rank_ends_the_run_with_one_sentence(tmp_path):
+    (tmp_path / "hang.py").write_text(HANGING_MODEL)
+    assert plan_cli("profile", "hang.py", "--batch-sizes", "1", "--repeats", "1", cwd=tmp_path).returncode == 0
+    assert plan_cli("solve", "--gpus", "2", "--hardware", "cpu", "--dp", "2", cwd=tmp_path).returncode == 0
+    proc = plan_cli("run", "plan.json", "--steps", "6", "--timeout", "3", cwd=tmp_path)
+    assert proc.returncode != 0
+    text = proc.stderr + proc.stdout
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    assert "rank 0: a collective waited more than 3 s for the other ranks" in " ".join(text.split())
+    assert runtime_processes(tmp_path) == []
+    assert not (tmp_path / "run.json").exists()
