@@ -15,14 +15,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+import display
 from planner.hardware import DEFAULT_HARDWARE
 from runtime.launch import DEFAULT_TIMEOUT_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console()
 err = Console(stderr=True)
+
+WIDE = typer.Option(False, "--wide", help="Every column (the default fits 80 columns; a terminal of 160 or more shows all).")
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_FIT = 3
@@ -72,10 +74,6 @@ def expected_errors():
     return errors
 
 
-def mib(n: float) -> str:
-    return f"{n / 2**20:,.2f}"
-
-
 # ----------------------------------------------------------------------------------------
 # plan profile
 # ----------------------------------------------------------------------------------------
@@ -91,6 +89,7 @@ def profile(
     fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's achievable rates."),
     hardware: Optional[str] = typer.Option(None, help=f"Hardware preset for --fake times (see `plan hardware`; default: plan solve's, {DEFAULT_HARDWARE})."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
+    wide: bool = WIDE,
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
     threads: int = typer.Option(1, help="Intra-op threads to time layers with: what each rank will run with (plan run gives CPU ranks this many)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample of a Hugging Face model (default: the smaller of 4096 and its max_position_embeddings)."),
@@ -147,7 +146,7 @@ def profile(
             write_profile_csv(prof, csv)
     except expected_errors() as e:
         fail(str(e))
-    print_profile(prof)
+    print_profile(prof, wide=wide)
     out.print(f"wrote [bold]{escape(str(output))}[/]" + (f" and [bold]{escape(str(csv))}[/]" if csv else ""))
 
 
@@ -174,21 +173,8 @@ def write_profile_csv(prof, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def print_profile(prof, b: int | None = None) -> None:
-    b = b or max(prof.batch_sizes)
-    t = Table(title=f"{escape(prof.model.get('name') or prof.model['path'])}: {prof.n_layers} layers, {prof.precision}, "
-                    f"{prof.optimizer}, {prof.method} on {prof.device}, micro-batch {b} (MiB, ms, GFLOP)")
-    for col in ("layer", "kind", "params", "weights", "grads", "optim", "saved", "ckpt keeps", "fwd ms", "bwd ms", "GFLOP"):
-        t.add_column(col, justify="right" if col not in ("kind",) else "left")
-    for layer in prof.layers:
-        s = layer.at(b)
-        t.add_row(str(layer.index), layer.kind, f"{layer.param_count:,}", mib(layer.param_bytes), mib(layer.grad_bytes),
-                  mib(layer.optimizer_state_bytes), mib(s.saved_bytes), mib(s.input_bytes + s.ckpt_saved_bytes),
-                  f"{s.fwd_s * 1e3:.3f}", f"{s.bwd_s * 1e3:.3f}", f"{(s.fwd_flops + s.bwd_flops) / 1e9:.3f}")
-    s = prof.loss.at(b)
-    t.add_row("loss", "", "", "", "", "", mib(s.saved_bytes), "", f"{s.fwd_s * 1e3:.3f}", f"{s.bwd_s * 1e3:.3f}",
-              f"{(s.fwd_flops + s.bwd_flops) / 1e9:.3f}")
-    out.print(t)
+def print_profile(prof, b: int | None = None, wide: bool = False) -> None:
+    out.print(display.profile_table(prof, b or max(prof.batch_sizes), display.is_wide(out, wide)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,7 +183,8 @@ def print_profile(prof, b: int | None = None) -> None:
 
 @app.command()
 def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run.json."),
-         batch: Optional[int] = typer.Option(None, help="Micro-batch size to show a profile at (default: the largest measured).")):
+         batch: Optional[int] = typer.Option(None, help="Micro-batch size to show a profile at (default: the largest measured)."),
+         wide: bool = WIDE):
     """Print a profile's, plan's or run's summary again."""
     try:
         if not path.is_file():
@@ -208,10 +195,13 @@ def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run
             fail(f"{path} is not a JSON document written by plan; give a profile.json, plan.json or run.json.")
         if kind == "profile":
             from profiles.schema import load_profile
-            print_profile(load_profile(path), batch)
+            prof = load_profile(path)
+            if batch is not None and batch < 1:
+                fail(f"--batch is {batch}; give a positive micro-batch size.")
+            print_profile(prof, batch, wide)
         elif kind == "plan":
             from planner.plan import load_plan
-            print_plan(load_plan(path))
+            print_plan(load_plan(path), wide)
         elif kind == "run":
             from planner.run_report import load_run
             print_run(load_run(path))
@@ -222,19 +212,10 @@ def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run
 
 
 @app.command("hardware")
-def hardware_cmd():
+def hardware_cmd(wide: bool = WIDE):
     """List the hardware presets (a TOML cluster file can describe anything else)."""
     from planner.hardware import PRESETS
-    t = Table(title="hardware presets (per GPU; bandwidths per direction)")
-    for col in ("name", "memory GiB", "usable", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "GPUs/node",
-                "intra GB/s", "inter GB/s", "host<->dev GB/s"):
-        t.add_column(col, justify="left" if col == "name" else "right")
-    for name, h in PRESETS.items():
-        t.add_row(name, f"{h.memory_bytes / 2**30:.1f}", f"{h.usable_fraction:.2f}", f"{h.bf16_flops / 1e12:.1f}",
-                  f"{h.fp32_flops / 1e12:.1f}", f"{h.hbm_bandwidth / 1e9:,.0f}", str(h.gpus_per_node),
-                  f"{h.intra_node_bandwidth / 1e9:.1f}", f"{h.inter_node_bandwidth / 1e9:.2f}",
-                  f"{h.host_to_device_bandwidth / 1e9:.1f}")
-    out.print(t)
+    out.print(display.hardware_table(PRESETS, display.is_wide(out, wide)))
     out.print("Sources for every number: planner/hardware.py (Hardware.sources).")
 
 
@@ -312,6 +293,7 @@ def solve(
     checkpoint: str = typer.Option("auto", help="Activation checkpointing: none | all | auto."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
+    wide: bool = WIDE,
 ):
     """Find the fastest layout that fits: degrees, micro-batching, ZeRO, checkpointing, offload."""
     from planner.build import build_plan, explain_no_fit
@@ -343,8 +325,8 @@ def solve(
         plan.save(output)
     except expected_errors() as e:
         fail(str(e))
-    print_top(result, limit_bytes)
-    print_plan(plan)
+    print_top(result, limit_bytes, wide)
+    print_plan(plan, wide)
     out.print(f"{result.candidates} layouts, {result.solved} MILPs solved: {result.pruned} ruled out as slower than "
               f"the top {top} (by a bound or by their MILP), {result.infeasible} as not fitting.")
     for note in result.notes:
@@ -366,56 +348,19 @@ def check_model_unchanged(prof) -> None:
         raise ProfileError(f"model file {path} has changed since it was profiled; profile it again with `plan profile {path}`.")
 
 
-def print_top(result, limit: int) -> None:
-    t = Table(title=f"best layouts (memory limit {mib(limit)} MiB per GPU)")
-    for col in ("#", "dp", "tp", "pp", "zero", "sched", "micro-batch", "ckpt", "offload", "step s", "samples/s",
-                "MFU", "peak MiB per stage"):
-        t.add_column(col, justify="right")
-    for k, sol in enumerate(result.solutions):
-        c, p = sol.candidate, sol.prediction
-        ck = sum(1 for st in sol.stages for _, x, _ in st if x)
-        off = sum(1 for st in sol.stages for _, _, x in st if x)
-        t.add_row(str(k + 1), str(c.dp), str(c.tp), str(c.pp), str(c.zero), c.schedule if c.pp > 1 else "-",
-                  f"{c.micro_batch_size} x {c.num_micro_batches}", str(ck), str(off), f"{p.step_s:.4f}",
-                  f"{p.samples_per_s:,.1f}", f"{100 * p.mfu:.1f}%",
-                  " / ".join(mib(s.memory.peak) for s in p.stages))
-    out.print(t)
+def print_top(result, limit: int, wide: bool = False) -> None:
+    out.print(display.top_table(result.solutions, limit, display.is_wide(out, wide)))
 
 
-def print_plan(plan) -> None:
+def print_plan(plan, wide: bool = False) -> None:
     from planner.hardware import format_size
+    out.print(display.plan_table(plan, display.is_wide(out, wide)))
     pred = plan.predicted
-    t = Table(title=f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
-                    f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch} (MiB)")
-    for col in ("stage", "layers", "checkpointed", "offloaded", "weights", "grads", "optimizer", "activations",
-                "buffers", "peak", "peak during"):
-        t.add_column(col, justify="left" if col in ("layers", "checkpointed", "offloaded", "peak during") else "right")
-    for st, ps in zip(plan.stages, pred.stages if pred else []):
-        idx = [lc.index for lc in st.layers]
-        t.add_row(str(st.index), f"{idx[0]}-{idx[-1]}", _ranges([lc.index for lc in st.layers if lc.checkpoint]),
-                  _ranges([lc.index for lc in st.layers if lc.offload]), mib(ps.weights_bytes), mib(ps.grads_bytes),
-                  mib(ps.optimizer_bytes), mib(ps.activations_bytes), mib(ps.buffers_bytes),
-                  mib(ps.peak_bytes), ps.peak_phase)
-    out.print(t)
     if pred:
         out.print(f"predicted step {pred.step_time_s:.4f} s, {pred.samples_per_s:,.1f} samples/s, "
-                  f"MFU {100 * pred.mfu:.1f}%, peak {mib(pred.peak_bytes)} of {mib(plan.memory_limit_bytes)} MiB"
+                  f"MFU {100 * pred.mfu:.1f}%, peak {format_size(pred.peak_bytes)} of {format_size(plan.memory_limit_bytes)}"
                   + (f"; offloaded states fill {format_size(pred.host_peak_bytes)} of a node's host memory"
                      if pred.host_peak_bytes else ""), highlight=False)
-
-
-def _ranges(xs: list[int]) -> str:
-    if not xs:
-        return "-"
-    parts, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(parts)
 
 
 # ----------------------------------------------------------------------------------------
@@ -511,15 +456,7 @@ def verify(
         time_rows, time_rank = compare_time(plan, run_doc)
     except expected_errors() + (VerifyError,) as e:
         fail(str(e))
-    t = Table(title=f"predicted vs measured: {escape(str(plan_path))} / {escape(str(run_path))}")
-    for col in ("stage", "ranks", "predicted MiB", "measured MiB", "error"):
-        t.add_column(col, justify="right")
-    worst = 0.0
-    for r in rows:
-        worst = max(worst, abs(r.error_pct))
-        colour = "green" if abs(r.error_pct) <= min(1.0, tolerance) else ("yellow" if abs(r.error_pct) <= tolerance else "red")
-        t.add_row(str(r.stage), ",".join(str(x) for x in r.ranks), mib(r.predicted), mib(r.measured),
-                  f"[{colour}]{r.error_pct:+.2f}%[/]")
+    t, worst = display.memory_check_table(rows, f"predicted vs measured: {plan_path} / {run_path}", tolerance)
     out.print(t)
     out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
     ran = {r.threads for r in run_doc.ranks}
@@ -528,12 +465,7 @@ def verify(
                   f"its layers with {plan.threads}; the step time assumes {plan.threads} (set OMP_NUM_THREADS={plan.threads}).",
                   highlight=False)
     if time_rows:
-        t = Table(title=f"step time by component (ms): predicted vs rank {time_rank}'s profiled step")
-        for col in ("component", "predicted", "measured"):
-            t.add_column(col, justify="left" if col == "component" else "right")
-        for r in time_rows:
-            t.add_row(r.component, f"{r.predicted * 1e3:.1f}", f"{r.measured * 1e3:.1f}")
-        out.print(t)
+        out.print(display.time_check_table(time_rows, time_rank))
         if plan.device_type == "cpu":
             out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
     if worst > tolerance:
@@ -542,12 +474,7 @@ def verify(
 
 
 def print_run(run) -> None:
-    t = Table(title=f"run of {escape(run.plan_path)}: {run.world_size} ranks, {run.steps} steps")
-    for col in ("rank", "pp", "dp", "tp", "peak MiB", "median step s"):
-        t.add_column(col, justify="right")
-    for r in run.ranks:
-        t.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank), mib(r.peak_bytes), f"{r.median_step_s:.4f}")
-    out.print(t)
+    out.print(display.run_table(run))
     out.print("losses: " + ", ".join(f"{x:.4f}" for x in run.losses))
 
 

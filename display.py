@@ -1,0 +1,207 @@
+"""What the CLI prints: every table, readable at 80 columns.
+
+Each table has a default set of columns that fits 80 columns at the sizes it can hold (a
+405B model's layers, 8192 GPUs, 64 stages); `wide` (`--wide`, or a terminal of 160 columns
+or more) adds the rest. Units are in the title, chosen per table so numbers stay short;
+columns are separated by one space and text folds rather than being cut.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from planner.hardware import format_size
+
+WIDE_COLUMNS = 160          # a terminal at least this wide shows every column
+
+
+def is_wide(console: Console, wide: bool) -> bool:
+    return wide or console.width >= WIDE_COLUMNS
+
+
+def table(columns: list[str], left: tuple[str, ...] = ()) -> Table:
+    """A borderless table: a rule under the header, one space between columns."""
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, show_edge=False)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return t
+
+
+def titled(title: str, t: Table) -> Group:
+    """The title as a line of its own above the table (wrapped at the terminal, not the table)."""
+    return Group(Text(title, style="bold"), t)
+
+
+# -- numbers -------------------------------------------------------------------------------
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def size_unit(values) -> tuple[str, float]:
+    """The unit that keeps the largest of `values` at 1 or more (bytes below 1 KiB)."""
+    top = max((abs(v) for v in values), default=0)
+    for unit, scale in _UNITS:
+        if top >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def number(v: float) -> str:
+    """A figure in at most about 6 characters: 3 significant digits, thousands separated."""
+    if v == 0:
+        return "0"
+    if abs(v) < 0.01:
+        return f"{v:.2g}"
+    if abs(v) < 10:
+        return f"{v:.2f}"
+    if abs(v) < 100:
+        return f"{v:.1f}"
+    return f"{v:,.0f}"
+
+
+def count(n: int) -> str:
+    """A parameter count: 856.7M, 1.05B, 4,096."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 10 * scale if suffix == "K" else n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:,}"
+
+
+def seconds_unit(values) -> tuple[str, float]:
+    top = max((abs(v) for v in values), default=0)
+    return ("s", 1.0) if top >= 1 else ("ms", 1e-3) if top >= 1e-3 else ("us", 1e-6)
+
+
+def ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"; "-" for none."""
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)
+
+
+# -- the tables ------------------------------------------------------------------------------
+
+def profile_table(prof, b: int, wide: bool) -> Group:
+    layers = [(layer, layer.at(b)) for layer in prof.layers]
+    loss = prof.loss.at(b)
+    unit, scale = size_unit([x for layer, s in layers for x in (layer.param_bytes, layer.optimizer_state_bytes,
+                                                                  s.saved_bytes)] + [loss.saved_bytes])
+    t_unit, t_scale = seconds_unit([x for _, s in layers for x in (s.fwd_s, s.bwd_s)])
+    cols = ["layer", "kind", "params", "weights", "grads", "optim", "saved"] \
+        + (["ckpt keeps"] if wide else []) + ["fwd", "bwd"] + (["GFLOP"] if wide else [])
+    title = (f"{prof.model.get('name') or prof.model['path']}: {prof.n_layers} layers, {prof.precision}, "
+              f"{prof.optimizer}, {prof.method} on {prof.device}, micro-batch {b} ({unit}, {t_unit})")
+    t = table(cols, left=("kind",))
+
+    def row(label, kind, params, weights, grads, optim, s):
+        cells = [label, kind, params, weights, grads, optim, number(s.saved_bytes / scale)]
+        if wide:
+            cells.append(number((s.input_bytes + s.ckpt_saved_bytes) / scale) if label != "loss" else "")
+        cells += [number(s.fwd_s / t_scale), number(s.bwd_s / t_scale)]
+        if wide:
+            cells.append(number((s.fwd_flops + s.bwd_flops) / 1e9))
+        t.add_row(*cells)
+
+    for layer, s in layers:
+        row(str(layer.index), layer.kind, count(layer.param_count), number(layer.param_bytes / scale),
+            number(layer.grad_bytes / scale), number(layer.optimizer_state_bytes / scale), s)
+    row("loss", "", "", "", "", "", loss)
+    return titled(title, t)
+
+
+def hardware_table(presets: dict, wide: bool) -> Group:
+    cols = ["name", "memory", "usable", "bf16", "fp32", "HBM", "GPUs", "intra", "inter", "host"]
+    title = ("hardware presets, per GPU (memory GiB; dense TFLOP/s; GB/s per direction: HBM, within a node, "
+              "across nodes, host<->device)")
+    t = table(cols, left=("name",))
+    for name, h in presets.items():
+        t.add_row(name, number(h.memory_bytes / 2**30), f"{h.usable_fraction:.2f}", number(h.bf16_flops / 1e12),
+                  number(h.fp32_flops / 1e12), number(h.hbm_bandwidth / 1e9), str(h.gpus_per_node),
+                  number(h.intra_node_bandwidth / 1e9), number(h.inter_node_bandwidth / 1e9),
+                  number(h.host_to_device_bandwidth / 1e9))
+    return titled(title, t)
+
+
+def top_table(solutions, limit: int, wide: bool) -> Group:
+    unit, scale = size_unit([s.memory.peak for sol in solutions for s in sol.prediction.stages])
+    cols = ["#", "dp x tp x pp", "zero", "sched", "micro-batch", "ckpt", "off", "step s", "samples/s", "MFU",
+            "peak"] + (["peak per stage"] if wide else [])
+    title = (f"best layouts (peak memory in {unit}, within {format_size(limit)} per GPU; ckpt, off: layers "
+             "checkpointed, offloaded)")
+    t = table(cols)
+    for k, sol in enumerate(solutions):
+        c, p = sol.candidate, sol.prediction
+        ck = sum(1 for st in sol.stages for _, x, _ in st if x)
+        off = sum(1 for st in sol.stages for _, _, x in st if x)
+        cells = [str(k + 1), f"{c.dp}x{c.tp}x{c.pp}", str(c.zero), c.schedule if c.pp > 1 else "-",
+                 f"{c.micro_batch_size} x {c.num_micro_batches}", str(ck), str(off), f"{p.step_s:.4g}",
+                 number(p.samples_per_s), f"{100 * p.mfu:.1f}%", number(p.peak_bytes / scale)]
+        if wide:
+            cells.append(" / ".join(number(s.memory.peak / scale) for s in p.stages))
+        t.add_row(*cells)
+    return titled(title, t)
+
+
+def plan_table(plan, wide: bool) -> Group:
+    pred = plan.predicted
+    rows = list(zip(plan.stages, pred.stages if pred else []))
+    unit, scale = size_unit([ps.peak_bytes for _, ps in rows])
+    cols = ["stage", "layers", "ckpt", "offload", "weights", "grads", "optim", "activ", "buffers", "peak"] \
+        + (["peak during"] if wide else [])
+    title = (f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
+              f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch} "
+              f"({unit} per GPU; ckpt, offload: which layers)")
+    t = table(cols, left=("layers", "ckpt", "offload", "peak during"))
+    for st, ps in rows:
+        idx = [lc.index for lc in st.layers]
+        cells = [str(st.index), f"{idx[0]}-{idx[-1]}", ranges([lc.index for lc in st.layers if lc.checkpoint]),
+                 ranges([lc.index for lc in st.layers if lc.offload])] + \
+            [number(v / scale) for v in (ps.weights_bytes, ps.grads_bytes, ps.optimizer_bytes, ps.activations_bytes,
+                                         ps.buffers_bytes, ps.peak_bytes)]
+        if wide:
+            cells.append(ps.peak_phase)
+        t.add_row(*cells)
+    return titled(title, t)
+
+
+def memory_check_table(rows, title: str, tolerance: float) -> tuple[Group, float]:
+    """Predicted vs measured peak per stage; returns the table and the worst error (percent)."""
+    unit, scale = size_unit([x for r in rows for x in (r.predicted, r.measured)])
+    title = f"{title} (peak memory, {unit})"
+    t = table(["stage", "ranks", "predicted", "measured", "error"], left=("ranks",))
+    worst = 0.0
+    for r in rows:
+        worst = max(worst, abs(r.error_pct))
+        colour = "green" if abs(r.error_pct) <= min(1.0, tolerance) else ("yellow" if abs(r.error_pct) <= tolerance else "red")
+        t.add_row(str(r.stage), ranges(list(r.ranks)), number(r.predicted / scale), number(r.measured / scale),
+                  f"[{colour}]{r.error_pct:+.2f}%[/]")
+    return titled(title, t), worst
+
+
+def time_check_table(rows, rank: int) -> Group:
+    title = (f"step time by component (ms): predicted vs rank {rank}'s profiled step")
+    t = table(["component", "predicted", "measured"], left=("component",))
+    for r in rows:
+        t.add_row(r.component, f"{r.predicted * 1e3:.1f}", f"{r.measured * 1e3:.1f}")
+    return titled(title, t)
+
+
+def run_table(run) -> Group:
+    unit, scale = size_unit([r.peak_bytes for r in run.ranks])
+    title = (f"run of {run.plan_path}: {run.world_size} ranks, {run.steps} steps (peak {unit}, median step s)")
+    t = table(["rank", "pp", "dp", "tp", "peak", "step s"])
+    for r in run.ranks:
+        t.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank), number(r.peak_bytes / scale),
+                  f"{r.median_step_s:.4f}")
+    return titled(title, t)

@@ -1,0 +1,97 @@
+"""Every table the CLI prints fits 80 columns with no cell cut, at the sizes real plans reach.
+Torch-free."""
+
+import io
+import random
+
+import pytest
+from rich.console import Console
+
+import display
+from planner.build import build_plan
+from planner.hardware import PRESETS
+from planner.run_report import RankReport, RunReport
+from planner.cost import Candidate, CostModel
+from planner.milp import choices_for
+from planner.search import Solution, SolveOptions, frugal_layout
+from planner.verify import StageRow, TimeRow
+from tests.synthetic import random_profile
+
+
+def render(renderable, width: int = 80) -> str:
+    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def assert_readable(text: str, width: int = 80) -> None:
+    assert "…" not in text, text                       # rich's mark of a cut cell
+    assert max(len(line) for line in text.splitlines()) <= width, text
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """GiB-sized layers on 64 GPU-like devices in 16 stages: long numbers, many rows. The
+    layouts are built, not solved (a search of these random layers takes minutes)."""
+    prof = random_profile(random.Random(7), 48, byte_scale=2**15)
+    path = tmp_path_factory.mktemp("big") / "profile.json"
+    prof.save(path)
+    hw = PRESETS["h100-sxm-80g"]
+    opts = SolveOptions(gpus=64, hardware=hw, global_batch=1024)
+    model = CostModel(prof, hw, 8, None)
+    solutions = []
+    for k, (dp, tp, pp, b, zero) in enumerate([(4, 1, 16, 1, 1), (2, 2, 16, 2, 3), (1, 4, 16, 4, 0),
+                                               (8, 1, 8, 1, 3), (16, 4, 1, 2, 3)]):
+        cand = Candidate(dp, tp, pp, b, 1024 // (dp * b), zero, "1f1b", zero > 0, False)
+        stages = [[(i, ck, False) for i, ck, _ in st] for st in frugal_layout(model, cand, choices_for("auto", "none", False))]
+        stages = [[(i, ck and (i + k) % 3 > 0, off) for i, ck, off in st] for st in stages]   # ranges like 1-2,4-5
+        solutions.append(Solution(cand, stages, model.evaluate(cand, stages)))
+    plan = build_plan(solutions[0], solutions[1:], prof, str(path), hw, opts, hw.usable_memory_bytes(), "plan.json")
+    return prof, solutions, plan
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_every_table_fits_80_columns(big, wide):
+    prof, solutions, plan = big
+    width = 80 if not wide else 400
+    tables = [
+        display.profile_table(prof, 4, wide),
+        display.hardware_table(PRESETS, wide),
+        display.top_table(solutions, plan.memory_limit_bytes, wide),
+        display.plan_table(plan, wide),
+        display.memory_check_table([StageRow(s, list(range(4 * s, 4 * s + 4)), 70 * 2**30 + s, 71 * 2**30, -1.41)
+                                    for s in range(16)], "predicted vs measured: plan-64xh100.json / run.json", 3.0)[0],
+        display.time_check_table([TimeRow(c, 1.234, 12.345) for c in ("compute", "tp_comm", "dp_comm", "p2p")], 63),
+        display.run_table(RunReport("plan-64xh100.json", "0" * 64, 64, 6, [10.0] * 6, "NVIDIA H100 80GB HBM3", "2.13",
+                                    [RankReport(r, r // 4, r % 4, 0, [r // 4], 71 * 2**30, [12.5] * 6, 12.5)
+                                     for r in range(64)])),
+    ]
+    for t in tables:
+        assert_readable(render(t, width), width)
+
+
+def test_wide_adds_columns_and_default_keeps_what_matters(big):
+    prof, solutions, plan = big
+    narrow, wide = render(display.plan_table(plan, False)), render(display.plan_table(plan, True), 400)
+    assert "peak during" in wide and "peak during" not in narrow
+    for column in ("weights", "grads", "optim", "activ", "peak"):
+        assert column in narrow
+    assert "peak per stage" in render(display.top_table(solutions, plan.memory_limit_bytes, True), 400)
+
+
+def test_brackets_in_names_survive():
+    """A title or message holding [brackets] prints them (rich markup would swallow them)."""
+    text = render(display.titled("a TOML file with a [hardware] table", display.table(["x"])))
+    assert "[hardware]" in text
+
+
+@pytest.mark.parametrize("value, text", [(0, "0"), (0.001, "0.001"), (3.14159, "3.14"), (31.4159, "31.4"),
+                                         (31415.9, "31,416")])
+def test_numbers_stay_short(value, text):
+    assert display.number(value) == text
+
+
+@pytest.mark.parametrize("n, text", [(4096, "4,096"), (73_728, "73.7K"), (856_686_592, "857M"),
+                                     (70_553_706_496, "70.6B")])
+def test_parameter_counts(n, text):
+    assert display.count(n) == text
