@@ -117,6 +117,9 @@ def profile(
             fail(f"--repeats is {repeats}; give 1 or more.")
         if threads < 1:
             fail(f"--threads is {threads}; give 1 or more.")
+        check_writable(output)
+        if csv:
+            check_writable(csv, "--csv")
         op_seconds = None
         if fake:
             if not hardware:
@@ -256,16 +259,24 @@ def calibrate(
               highlight=False)
 
 
-def check_writable(path: Path) -> None:
-    """Fail before any work when `path` cannot be written."""
+def check_writable(path: Path, flag: str = "-o") -> None:
+    """Fail before any work when `path` cannot be written (as write_text_atomic writes it: a
+    temporary file beside it, then a rename)."""
     import os
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        fail(f"{path} is a directory; give a file name.")
+        fail(f"{flag} {path} is a directory; give a file name.")
     if not parent.is_dir():
-        fail(f"the folder {parent} does not exist; create it or give another path.")
+        what = "is a file" if parent.exists() else "does not exist"
+        fail(f"{flag} {path}: the folder {parent} {what}; create the folder or give another path.")
     if not os.access(parent, os.W_OK):
-        fail(f"the folder {parent} is not writable; give another path.")
+        fail(f"{flag} {path}: the folder {parent} is not writable; give another path.")
+    try:
+        longest = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    if len(path.name.encode()) + 16 > longest:        # 16: the temporary name's additions
+        fail(f"{flag} {path}: the file name is longer than the {longest - 16} characters this folder allows; give a shorter one.")
 
 
 # ----------------------------------------------------------------------------------------
@@ -301,6 +312,7 @@ def solve(
     from planner.search import SolveOptions, search
     from profiles.schema import load_profile
     try:
+        check_writable(output)
         prof = load_profile(profile_path)
         check_model_unchanged(prof)
         hw = load_cluster_file(cluster) if cluster else get_hardware(hardware)
@@ -404,7 +416,7 @@ def run(
             # What every rank would refuse, refused here once, before torchrun starts.
             from profiles.model_file import load_spec
             load_spec(plan.model)
-            check_writable(run_out or Path("run.json"))
+            check_writable(run_out or Path("run.json"), "--out")
             check_devices(plan, plan.world_size // nnodes)
     except expected_errors() as e:
         fail(str(e))

@@ -244,6 +244,22 @@ class Plan:
             bad(f"device_type is {self.device_type!r}, not cpu or cuda")
         if self.precision not in PRECISIONS:
             bad(f"precision is {self.precision!r}, not one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            bad(f"seed is {self.seed!r}, not an integer")
+        if not isinstance(self.memory_limit_bytes, int) or isinstance(self.memory_limit_bytes, bool) or self.memory_limit_bytes < 0:
+            bad(f"memory_limit_bytes is {self.memory_limit_bytes!r}, not a non-negative integer")
+        for name in ("profile", "model", "hardware"):
+            if not isinstance(getattr(self, name), dict):
+                bad(f"its {name} is {getattr(self, name)!r}, not a table")
+        if self.hardware:
+            from .hardware import Hardware, HardwareError
+            try:
+                Hardware.from_json(self.hardware)
+            except (HardwareError, KeyError, TypeError, ValueError) as e:
+                bad(f"its hardware description is damaged ({e})")
+        for lc in (lc for s in self.stages for lc in s.layers):
+            if not isinstance(lc.checkpoint, bool) or not isinstance(lc.offload, bool):
+                bad(f"layer {lc.index}'s checkpoint and offload are {lc.checkpoint!r} and {lc.offload!r}, not true or false")
         problem = self.optimizer.problem()
         if problem:
             bad(problem)

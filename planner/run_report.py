@@ -75,6 +75,9 @@ class RunReport:
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"{name} is {v!r}")
         whole("world_size", self.world_size, 1)
+        for name in ("plan_path", "plan_sha256", "device", "torch_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} is {getattr(self, name)!r}, not text")
         whole("steps", self.steps, 1)
         if len(self.ranks) != self.world_size:
             raise ValueError(f"{len(self.ranks)} ranks for world size {self.world_size}")
@@ -85,6 +88,8 @@ class RunReport:
         for r in self.ranks:
             for name in ("pp_rank", "dp_rank", "tp_rank", "peak_bytes", "threads"):
                 whole(f"rank {r.rank}'s {name}", getattr(r, name))
+            if len(r.step_times_s) != self.steps or not all(isinstance(x, (int, float)) and x >= 0 for x in r.step_times_s):
+                raise ValueError(f"rank {r.rank} has {len(r.step_times_s)} step times for {self.steps} steps")
             if not isinstance(r.median_step_s, (int, float)) or r.median_step_s <= 0:
                 raise ValueError(f"rank {r.rank}'s median_step_s is {r.median_step_s!r}")
             if r.breakdown_s is not None and not all(isinstance(v, (int, float)) for v in r.breakdown_s.values()):

@@ -8,9 +8,11 @@ the CLI prints it and exits 2.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import importlib.util
+import io
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +60,11 @@ def load_model_file(path: str | Path) -> ModelSpec:
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path of a Python file that defines build_model() and make_batch().")
-    source = p.read_text()
+    try:
+        source = p.read_text()
+    except UnicodeDecodeError:
+        raise ModelFileError(f"model file {path} is not Python source text (a binary file, such as a checkpoint?); "
+                             "pass the .py file that defines build_model() and make_batch().") from None
     try:
         compile(source, str(p), "exec")
     except SyntaxError as e:
@@ -67,10 +73,22 @@ def load_model_file(path: str | Path) -> ModelSpec:
     spec = importlib.util.spec_from_file_location(mod_name, p)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling inside the file need this
+    argv = sys.argv
+    sys.argv = [str(p)]              # a file that parses the command line on import sees none
+    said = io.StringIO()             # what it prints to stderr: replayed unless it exits (argparse's usage)
     try:
-        spec.loader.exec_module(module)
+        with contextlib.redirect_stderr(said):
+            spec.loader.exec_module(module)
+        sys.stderr.write(said.getvalue())
+    except SystemExit as e:
+        raise ModelFileError(f"model file {path} exits when imported (SystemExit({e.code!r}): it calls sys.exit or parses "
+                             "the command line at the top level); move that under `if __name__ == \"__main__\":`.") from None
+    except MemoryError:
+        raise ModelFileError(f"model file {path} ran out of memory when imported; profile it with --fake, which allocates nothing.") from None
     except Exception as e:  # noqa: BLE001 - any import-time failure of user code
         raise ModelFileError(f"model file {path} failed to import ({type(e).__name__}: {e}); fix the file so that `python {path}` runs.") from None
+    finally:
+        sys.argv = argv
 
     build = getattr(module, "build_model", None)
     if not callable(build):
@@ -86,7 +104,8 @@ def load_model_file(path: str | Path) -> ModelSpec:
     tp_divides = getattr(module, "tp_divides", None) or []
     if not (isinstance(tp_divides, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in tp_divides)):
         raise ModelFileError(f"tp_divides in model file {path} must be a list of positive integers that a tensor-parallel degree must divide, e.g. [N_HEAD].")
-    return ModelSpec(path=str(path), sha256=file_sha256(p), build_model=build, make_batch=make,
+    # The absolute path: a profile or plan read from another folder still finds the file.
+    return ModelSpec(path=str(p.resolve()), sha256=file_sha256(p), build_model=build, make_batch=make,
                      loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem, tp_divides=list(tp_divides))
 
 
@@ -105,12 +124,23 @@ def build_checked_model(spec: ModelSpec) -> nn.Sequential:
     try:
         model = spec.build_model()
     except Exception as e:  # noqa: BLE001
+        if is_out_of_memory(e):
+            raise ModelFileError(f"build_model() in {spec.path} could not allocate the model "
+                                 f"({str(e).split('memory: ')[-1].split('. ')[0]}); profile it with --fake, which allocates nothing.") from None
         raise ModelFileError(f"build_model() in {spec.path} raised {type(e).__name__}: {e}; fix build_model so that it returns the model.") from None
     if not isinstance(model, nn.Sequential):
         raise ModelFileError(f"build_model() in {spec.path} returned a {type(model).__name__}, not an nn.Sequential; return the layers as nn.Sequential(layer0, layer1, ...).")
     if len(model) == 0:
         raise ModelFileError(f"build_model() in {spec.path} returned an empty nn.Sequential; put the model's layers in it.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(f"build_model() in {spec.path} returned a model with no trainable parameters; there is nothing "
+                             "to train or lay out, give its layers parameters.")
     return model
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocator's failure (CPU: "can't allocate memory"; CUDA: torch.OutOfMemoryError)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def call_make_batch(spec: ModelSpec, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +184,9 @@ def run_loss_checked(spec: ModelSpec, output, targets) -> torch.Tensor:
         raise ModelFileError(f"the loss in {spec.path} cannot take the model's output, {describe(output)}, with targets {describe(targets)} ({type(e).__name__}: {first_line(e)}); fix loss_fn or the last layer.") from None
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise ModelFileError(f"the loss in {spec.path} returned {describe(loss)}; loss_fn must return a scalar tensor.")
+    if not loss.is_meta and not getattr(loss, "fake_mode", None) and not torch.isfinite(loss.detach()).all():
+        raise ModelFileError(f"the loss in {spec.path} is {float(loss):g} on make_batch's data; find the layer that "
+                             "produces inf or NaN (its weights' initialisation, a division, a log of 0) and fix it.")
     return loss
 
 

@@ -264,6 +264,8 @@ class Profile:
             bad(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not self.layers:
             bad("it has no layers")
+        if [layer.index for layer in self.layers] != list(range(len(self.layers))):
+            bad("its layer indices are not 0, 1, 2, ... in order")
         if self.threads < 1:
             bad(f"threads is {self.threads}, not a positive count")
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):

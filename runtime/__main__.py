@@ -21,8 +21,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
+from display import run_table
 from planner.plan import Plan, PlanError, load_plan
 from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
@@ -129,12 +129,21 @@ def device_name(plan: Plan) -> str:
 def print_summary(run: RunReport) -> None:
     console = Console()
     console.print(f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "
-                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}", highlight=False)
-    table = Table("rank", "pp", "dp", "tp", "stages", "peak MiB", "median step ms")
-    for r in run.ranks:
-        table.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank),
-                      ",".join(map(str, r.stages)), f"{r.peak_bytes / 2**20:.1f}", f"{r.median_step_s * 1e3:.1f}")
-    console.print(table)
+                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}", highlight=False, markup=False)
+    console.print(run_table(run))
+
+
+def progress_printer(trainer: Trainer, steps: int):
+    """One line every few steps (about 20 in all, and the last) from the rank that holds the
+    last stage for dp and tp rank 0: its loss is that replica's share of the batch."""
+    if not (trainer.has_last_stage and trainer.dp_rank == 0 and trainer.tp_rank == 0):
+        return None
+    every = max(1, steps // 20)
+
+    def on_step(step: int, loss: float | None, seconds: float) -> None:
+        if (step + 1) % every == 0 or step + 1 == steps:
+            print(f"step {step + 1}/{steps}: loss {loss:.4f} (dp rank 0's samples), {seconds:.3f} s", flush=True)
+    return on_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +169,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
     mesh = ParallelDims.from_plan(plan).build_mesh(plan.device_type)
     trainer = Trainer(plan, spec, model, mesh)
     del model  # the layers of other stages go with it
-    local_losses, report = trainer.train(args.steps)
+    local_losses, report = trainer.train(args.steps, on_step=progress_printer(trainer, args.steps))
     losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
     reports: list[RankReport | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)

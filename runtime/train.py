@@ -159,8 +159,9 @@ class Trainer:
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
 
     # -- the run -----------------------------------------------------------------------
-    def train(self, steps: int) -> tuple[list[float], RankReport]:
-        """Run `steps` steps; this rank's mean loss per step (0.0 off the last stage) and its report."""
+    def train(self, steps: int, on_step=None) -> tuple[list[float], RankReport]:
+        """Run `steps` steps; this rank's mean loss per step (0.0 off the last stage) and its
+        report. `on_step(step, loss or None, seconds)` is called after each step (outside its timing)."""
         measured = min(1, steps - 1)  # step 2, or the only step
         profiled = steps - 1 if steps >= 4 else None
         losses, times, peak, breakdown = [], [], 0, None
@@ -181,6 +182,8 @@ class Trainer:
                 if memory is not None:
                     peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
+            if on_step:
+                on_step(step, losses[-1] if loss is not None else None, times[-1])
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times

@@ -1,5 +1,5 @@
-"""Bad input to `plan profile` and `plan solve`: one sentence naming the problem and the fix,
-exit code 2, no traceback, and no output file written or overwritten."""
+"""Bad input to every command: one sentence naming the problem and the fix, exit code 2 (3 when
+nothing fits), no traceback, and no output file written or overwritten."""
 
 import json
 import textwrap
@@ -31,6 +31,34 @@ BAD_MODEL_FILES = {
                                 "tp_plan = {'mlp.fc': 'colwise'}\n",
                                 ["tp_plan entry 'mlp.fc'", "matches no submodule"]),
     "import_fails": ("import torch\nraise RuntimeError('boom')\n", ["failed to import", "boom"]),
+    "exits_on_import": (GOOD_HEAD + "import sys\nsys.exit(3)\n", ["exits when imported (SystemExit(3)", "__main__"]),
+    "parses_argv_on_import": (GOOD_HEAD + "import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', required=True)\n"
+                              "p.parse_args()\n", ["exits when imported (SystemExit(2)", "parses the command line"]),
+    "no_parameters": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.ReLU(), nn.Identity())\n"
+                      "def loss_fn(o, t):\n    return o.sum()\n", ["no trainable parameters"]),
+    "nan_output": (GOOD_HEAD + "class N(nn.Module):\n    def __init__(s):\n        super().__init__(); s.l = nn.Linear(8, 4)\n"
+                   "    def forward(s, x):\n        return s.l(x) * float('nan')\ndef build_model():\n    return nn.Sequential(N())\n",
+                   ["the loss in", "is nan on make_batch's data", "inf or NaN"]),
+    "too_big_without_fake": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 400_000_000_000))\n",
+                             ["could not allocate the model", "--fake"]),
+    "build_model_raises": (GOOD_HEAD + "def build_model():\n    raise ValueError('bad config')\n",
+                           ["build_model() in", "raised ValueError: bad config"]),
+    "make_batch_raises": ("import torch.nn as nn\ndef build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
+                          "def make_batch(b):\n    raise KeyError('x')\n", ["make_batch(1)", "raised KeyError"]),
+    "empty_sequential": (GOOD_HEAD + "def build_model():\n    return nn.Sequential()\n", ["empty nn.Sequential"]),
+    "build_model_not_callable": (GOOD_HEAD + "build_model = 3\n", ["defines no build_model()"]),
+    "empty_file": ("", ["defines no build_model()"]),
+    "tp_plan_not_a_dict": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_plan = ['a']\n",
+                           ["tp_plan in model file", "must be a dict"]),
+    "tp_plan_unknown_style": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
+                              "tp_plan = {'0': 'diagonal'}\n", ["has style 'diagonal'", "colwise, rowwise"]),
+    "tp_divides_not_a_list": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_divides = 'x'\n",
+                              ["tp_divides in model file", "list of positive integers"]),
+    "loss_not_scalar": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
+                        "def loss_fn(o, t):\n    return o\n", ["loss_fn must return a scalar tensor"]),
+    "targets_do_not_fit_the_loss": ("import torch, torch.nn as nn\ndef build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
+                                    "def make_batch(b):\n    return torch.randn(b, 8), torch.randn(b, 4, 5)\n",
+                                    ["cannot take the model's output", "fix loss_fn or the last layer"]),
 }
 
 
@@ -54,6 +82,15 @@ def test_bad_model_file(case, tmp_path):
     out = tmp_path / "profile.json"
     result = run(["profile", str(model), "-o", str(out), "--batch-sizes", "1", "--repeats", "1"], tmp_path)
     assert_one_sentence_error(result, needles)
+    assert not out.exists()
+
+
+def test_binary_model_file(tmp_path):
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"\x80\x04\x95\x00\x00PK\x03\x04\x00\xff\xfe")
+    out = tmp_path / "profile.json"
+    result = run(["profile", str(model), "-o", str(out)], tmp_path)
+    assert_one_sentence_error(result, ["is not Python source text", "binary file"])
     assert not out.exists()
 
 
@@ -114,6 +151,16 @@ def test_solve_profile_of_changed_model(small_profile, tmp_path):
     (lambda d: d.__setitem__("schema", 99), "schema 99"),
     (lambda d: d.__setitem__("optimizer", "lion"), "optimizer 'lion'"),
     (lambda d: d["layers"][0].pop("grad_bytes"), "grad_bytes"),
+    (lambda d: d["layers"][0].__setitem__("index", 7), "layer indices are not 0, 1, 2"),
+    (lambda d: d["layers"][0]["samples"]["1"].__setitem__("fwd_s", -1.0), "fwd_s = -1.0"),
+    (lambda d: d.__setitem__("batch_sizes", [1, 2, 3]), "not at the profile's batch sizes [1, 2, 3]"),
+    (lambda d: d["layers"][0].__setitem__("samples", {"x": {}}), "damaged or hand-edited"),
+    (lambda d: d.__setitem__("threads", 0), "threads is 0"),
+    (lambda d: d.__setitem__("precision", "fp8"), "precision 'fp8'"),
+    (lambda d: d.__setitem__("layers", []), "it has no layers"),
+    (lambda d: d["layers"][0].__setitem__("param_count", -3), "param_count = -3"),
+    (lambda d: d.pop("loss"), "KeyError: 'loss'"),
+    (lambda d: d.pop("model"), "KeyError: 'model'"),
 ])
 def test_solve_hand_edited_profile(small_profile, tmp_path, edit, needle):
     _, prof = small_profile
@@ -187,7 +234,7 @@ def test_bad_calibrate_flags(args, needles, tmp_path):
 
 def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path):
     result = run(["calibrate", "-o", str(tmp_path / "missing" / "cluster.toml")], tmp_path)
-    assert_one_sentence_error(result, ["does not exist; create it or give another path"])
+    assert_one_sentence_error(result, ["does not exist; create the folder or give another path"])
     result = run(["calibrate", "-o", str(tmp_path)], tmp_path)
     assert_one_sentence_error(result, ["is a directory; give a file name"])
 
@@ -197,3 +244,168 @@ def test_bad_threads_flag(tmp_path):
     result = run(["profile", "examples/gpt.py", "-o", str(out), "--threads", "0"], tmp_path)
     assert_one_sentence_error(result, ["--threads is 0; give 1 or more"])
     assert not out.exists()
+
+
+# -- hand-edited plans: refused by every command that reads them, before anything starts --
+
+@pytest.fixture(scope="module")
+def small_plan(small_profile, tmp_path_factory):
+    _, prof = small_profile
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = CliRunner().invoke(app, ["solve", str(prof), "--gpus", "2", "--hardware", "cpu", "--dp", "2", "-o", str(plan)])
+    assert result.exit_code == 0, result.output
+    return plan
+
+
+def edited_copy(doc_path, edit, tmp_path):
+    d = json.loads(doc_path.read_text())
+    edit(d)
+    bad = tmp_path / doc_path.name
+    bad.write_text(json.dumps(d))
+    return bad
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.__setitem__("world_size", "2"), "world_size is '2'"),
+    (lambda d: d.__setitem__("dp", 0), "dp is 0"),
+    (lambda d: d.__setitem__("micro_batch_size", 0), "micro_batch_size is 0"),
+    (lambda d: d["optimizer"].__setitem__("lr", "0.001"), "lr is '0.001'"),
+    (lambda d: d["optimizer"].__setitem__("name", "lion"), "optimizer 'lion'"),
+    (lambda d: d["optimizer"].__setitem__("betas", [0.9]), "betas are [0.9]"),
+    (lambda d: d.__setitem__("hardware", {"name": 3}), "hardware description is damaged"),
+    (lambda d: d.__setitem__("memory_limit_bytes", -1), "memory_limit_bytes is -1"),
+    (lambda d: d.__setitem__("seed", "x"), "seed is 'x'"),
+    (lambda d: d["stages"][0]["layers"][0].__setitem__("index", 5), "do not hold the layers 0, 1, 2"),
+    (lambda d: d["stages"][0]["layers"][0].__setitem__("checkpoint", "yes"), "not true or false"),
+    (lambda d: d.__setitem__("precision", "fp8"), "precision is 'fp8'"),
+    (lambda d: d["predicted"].__setitem__("step_time_s", 0), "predicted step time 0"),
+    (lambda d: d.__setitem__("device_type", "tpu"), "device_type is 'tpu'"),
+    (lambda d: d.pop("optimizer"), "KeyError: 'optimizer'"),
+    (lambda d: d.__setitem__("profile", "x"), "its profile is 'x'"),
+    (lambda d: d.__setitem__("schema", 1), "has schema 1"),
+])
+@pytest.mark.parametrize("command", [["show"], ["run", "--print"], ["run"]])
+def test_hand_edited_plan(small_plan, tmp_path, edit, needle, command):
+    bad = edited_copy(small_plan, edit, tmp_path)
+    result = run([command[0], str(bad), *command[1:]], tmp_path)
+    assert_one_sentence_error(result, [needle])
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_a_cuda_plan_is_refused_where_torch_sees_no_gpu(small_plan, tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from planner.hardware import PRESETS
+    bad = edited_copy(small_plan, lambda d: d.update(device_type="cuda", hardware=PRESETS["h100-sxm-80g"].to_json()), tmp_path)
+    result = run(["run", str(bad), "--out", str(tmp_path / "run.json")], tmp_path)
+    assert_one_sentence_error(result, ["runs 2 ranks on CUDA GPUs per node but torch sees 0 here"])
+    assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--steps", "0"], "--steps is 0"),
+    (["--timeout", "0"], "--timeout is 0"),
+    (["--nnodes", "2"], "lays its 2 ranks out on 1 node(s)"),
+])
+def test_bad_run_flags(small_plan, tmp_path, args, needle):
+    result = run(["run", str(small_plan), "--out", str(tmp_path / "run.json"), *args], tmp_path)
+    assert_one_sentence_error(result, [needle])
+    assert not (tmp_path / "run.json").exists()
+
+
+# -- hand-edited run documents --------------------------------------------------------
+
+@pytest.fixture()
+def small_run(small_plan, tmp_path):
+    """A well-formed run document of the small plan (figures made up: these tests damage it)."""
+    import hashlib
+
+    from planner.run_report import RankReport, RunReport
+    doc = RunReport(str(small_plan), hashlib.sha256(small_plan.read_bytes()).hexdigest(), 2, 3, [1.0, 0.9, 0.8], "cpu",
+                    "2.13", [RankReport(r, 0, r, 0, [0], 1 << 20, [0.1] * 3, 0.1) for r in range(2)])
+    path = tmp_path / "good" / "run.json"
+    path.parent.mkdir()
+    doc.save(path)
+    return path
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.__setitem__("steps", 0), "steps is 0"),
+    (lambda d: d["ranks"][0].__setitem__("peak_bytes", "x"), "peak_bytes is 'x'"),
+    (lambda d: d.__setitem__("losses", ["a"]), "1 losses for 3 steps"),
+    (lambda d: d["ranks"][0].__setitem__("median_step_s", 0), "median_step_s is 0"),
+    (lambda d: d.__setitem__("ranks", []), "0 ranks for world size 2"),
+    (lambda d: d["ranks"][0].__setitem__("rank", 9), "ranks are not 0, 1, 2"),
+    (lambda d: d["ranks"][0].__setitem__("step_times_s", []), "0 step times for 3 steps"),
+    (lambda d: d.__setitem__("device", 4), "device is 4, not text"),
+])
+@pytest.mark.parametrize("command", ["show", "verify"])
+def test_hand_edited_run(small_plan, small_run, tmp_path, edit, needle, command):
+    bad = edited_copy(small_run, edit, tmp_path)
+    args = ["show", str(bad)] if command == "show" else ["verify", str(small_plan), str(bad)]
+    assert_one_sentence_error(run(args, tmp_path), [needle])
+
+
+def test_the_well_formed_run_document_is_read(small_plan, small_run, tmp_path):
+    """(So the edits above are what the refusals are about.)"""
+    assert run(["show", str(small_run)], tmp_path).exit_code == 0
+
+
+# -- output paths: checked before any work, nothing written or replaced -------------------
+
+@pytest.mark.parametrize("where, needle", [
+    (lambda t: t, "is a directory; give a file name"),
+    (lambda t: t / "missing" / "out.json", "does not exist; create the folder"),
+    (lambda t: t / "afile" / "out.json", "is a file; create the folder"),
+    (lambda t: t / ("a" * 250 + ".json"), "file name is longer than"),
+])
+@pytest.mark.parametrize("command", ["profile", "profile --csv", "solve", "run --out"])
+def test_unwritable_output_is_refused_before_the_work(small_profile, small_plan, tmp_path, where, needle, command):
+    model, prof = small_profile
+    (tmp_path / "afile").write_text("a file")
+    target = where(tmp_path)
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    args = {"profile": ["profile", str(model), "-o", str(target), "--repeats", "1"],
+            "profile --csv": ["profile", str(model), "-o", str(kept), "--csv", str(target), "--repeats", "1"],
+            "solve": ["solve", str(prof), "--gpus", "1", "--hardware", "cpu", "-o", str(target)],
+            "run --out": ["run", str(small_plan), "--out", str(target)]}[command]
+    assert_one_sentence_error(run(args, tmp_path), [needle])
+    assert kept.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "kept.json"]
+
+
+# -- the rest of the flags and files ---------------------------------------------------
+
+def test_brackets_survive_in_messages(small_profile, tmp_path):
+    _, prof = small_profile
+    result = run(["solve", str(prof), "--gpus", "1", "--cluster", str(tmp_path / "none.toml")], tmp_path)
+    assert_one_sentence_error(result, ["a TOML file with a [hardware] table"])
+
+
+def test_show_refuses_a_non_positive_batch(small_profile, tmp_path):
+    _, prof = small_profile
+    assert_one_sentence_error(run(["show", str(prof), "--batch", "-1"], tmp_path), ["--batch is -1"])
+
+
+@pytest.mark.parametrize("content, needle", [("", "is not a JSON document"), ("[1, 2]", "is not a JSON document"),
+                                             ('{"kind": "recipe"}', "its 'kind' is 'recipe'")])
+def test_show_refuses_what_is_not_a_document(tmp_path, content, needle):
+    path = tmp_path / "doc.json"
+    path.write_text(content)
+    assert_one_sentence_error(run(["show", str(path)], tmp_path), [needle])
+
+
+def test_a_profile_read_from_another_folder_still_finds_its_model(small_profile, tmp_path, monkeypatch):
+    """Paths in a profile are absolute: `plan solve` run elsewhere finds the model file."""
+    model, _ = small_profile
+    here = tmp_path / "project"
+    here.mkdir()
+    (here / "model.py").write_text(model.read_text())
+    monkeypatch.chdir(here)
+    assert run(["profile", "model.py", "-o", "profile.json", "--batch-sizes", "1", "--repeats", "1"], here).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    result = run(["solve", str(here / "profile.json"), "--gpus", "1", "--hardware", "cpu", "-o", "plan.json"], tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "plan.json").read_text())["model"]["path"] == str(here / "model.py")
