@@ -414,8 +414,7 @@ def run(
                             steps=steps, out=str(run_out) if run_out else None, timeout_s=timeout)
         if not print_only:
             # What every rank would refuse, refused here once, before torchrun starts.
-            from profiles.model_file import load_spec
-            load_spec(plan.model)
+            check_model_matches(plan)
             check_writable(run_out or Path("run.json"), "--out")
             check_devices(plan, plan.world_size // nnodes)
     except expected_errors() as e:
@@ -438,6 +437,19 @@ def run(
         err.print(f"[bold red]error:[/] the run failed (torchrun exit code {code}); the ranks' messages are above.",
                   highlight=False)
         raise typer.Exit(code if 0 < code < 128 else 1)
+
+
+def check_model_matches(plan) -> None:
+    """The model file loads, is the one solved for, and has the plan's layers (built on the
+    meta device: nothing allocated, whatever its size)."""
+    import torch
+
+    from profiles.model_file import build_checked_model, load_spec
+    spec = load_spec(plan.model)
+    with torch.device("meta"):
+        layers = len(build_checked_model(spec))
+    if layers != plan.n_layers:
+        fail(f"the plan lays out {plan.n_layers} layers but {spec.path} builds {layers}; profile and solve again.")
 
 
 def check_devices(plan, per_node: int) -> None:

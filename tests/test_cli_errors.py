@@ -292,6 +292,15 @@ def test_hand_edited_plan(small_plan, tmp_path, edit, needle, command):
     assert not (tmp_path / "run.json").exists()
 
 
+def test_a_plan_missing_a_layer_is_refused_before_launch(small_plan, tmp_path):
+    def drop_last_layer(d):
+        d["stages"][-1]["layers"].pop()
+        d["predicted"] = None
+    bad = edited_copy(small_plan, drop_last_layer, tmp_path)
+    result = run(["run", str(bad), "--out", str(tmp_path / "run.json")], tmp_path)
+    assert_one_sentence_error(result, ["lays out 2 layers but", "builds 3"])
+
+
 def test_a_cuda_plan_is_refused_where_torch_sees_no_gpu(small_plan, tmp_path):
     import torch
     if torch.cuda.is_available():
