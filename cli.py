@@ -80,7 +80,7 @@ def expected_errors():
 
 @app.command()
 def profile(
-    model: str = typer.Argument(..., help="Model file (build_model, make_batch; see DESIGN.md), or a Hugging Face causal-LM config: a config.json, a folder holding one, or a built-in name (llama-3-8b, llama-3-70b, mistral-7b, qwen2-7b, gpt2)."),
+    model: str = typer.Argument(..., help="Model file (build_model, make_batch; see docs/design.md), or a Hugging Face causal-LM config: a config.json, a folder holding one, or a built-in name (llama-3-8b, llama-3-70b, mistral-7b, qwen2-7b, gpt2)."),
     output: Path = typer.Option(Path("profile.json"), "-o", "--output", help="Where to write the profile."),
     batch_sizes: str = typer.Option("1,2,4", help="Micro-batch sizes to measure, comma-separated."),
     optimizer: str = typer.Option("adamw", help="sgd | momentum | adam | adamw."),
@@ -187,9 +187,12 @@ def print_profile(prof, b: int | None = None, wide: bool = False) -> None:
 @app.command()
 def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run.json."),
          batch: Optional[int] = typer.Option(None, help="Micro-batch size to show a profile at (default: the largest measured)."),
-         wide: bool = WIDE):
+         wide: bool = WIDE,
+         plot: Optional[Path] = typer.Option(None, "--plot", help="A plan: also draw its memory per stage and its step's timeline to this PNG file.")):
     """Print a profile's, plan's or run's summary again."""
     try:
+        if plot:
+            check_writable(plot, "--plot")
         if not path.is_file():
             fail(f"{path} does not exist; give the path of a profile.json, plan.json or run.json.")
         try:
@@ -198,15 +201,26 @@ def show(path: Path = typer.Argument(..., help="A profile.json, plan.json or run
             fail(f"{path} is not a JSON document written by plan; give a profile.json, plan.json or run.json.")
         if kind == "profile":
             from profiles.schema import load_profile
+            if plot:
+                fail("--plot draws a plan; solve the profile, then `plan show plan.json --plot FILE`.")
             prof = load_profile(path)
             if batch is not None and batch < 1:
                 fail(f"--batch is {batch}; give a positive micro-batch size.")
             print_profile(prof, batch, wide)
         elif kind == "plan":
             from planner.plan import load_plan
-            print_plan(load_plan(path), wide)
+            plan = load_plan(path)
+            print_plan(plan, wide)
+            if plot:
+                if plan.predicted is None:
+                    fail(f"{path} has no prediction to draw (written by hand); solve it with `plan solve`.")
+                import plots
+                plots.plot_plan(plan, plot)
+                out.print(f"drew {escape(str(plot))}", highlight=False)
         elif kind == "run":
             from planner.run_report import load_run
+            if plot:
+                fail(f"--plot draws a plan; for a run, use `plan verify PLAN {path} --plot FILE`.")
             print_run(load_run(path))
         else:
             fail(f"{path} is not a profile, plan or run document (its 'kind' is {kind!r}).")
@@ -468,12 +482,15 @@ def verify(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
     run_path: Path = typer.Argument(..., metavar="RUN"),
     tolerance: float = typer.Option(3.0, help="Largest memory error (percent) that passes."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw predicted beside measured (memory per stage, time per component) to this PNG file."),
 ):
     """Predicted vs measured peak memory and step time, per stage; non-zero exit past --tolerance."""
     from planner.plan import load_plan
     from planner.run_report import load_run
     from planner.verify import VerifyError, compare, compare_time
     try:
+        if plot:
+            check_writable(plot, "--plot")
         plan = load_plan(plan_path)
         run_doc = load_run(run_path)
         rows, step = compare(plan, plan_path, run_doc)
@@ -492,6 +509,10 @@ def verify(
         out.print(display.time_check_table(time_rows, time_rank))
         if plan.device_type == "cpu":
             out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
+    if plot:
+        import plots
+        plots.plot_verify(plan, rows, time_rows, plot)
+        out.print(f"drew {escape(str(plot))}", highlight=False)
     if worst > tolerance:
         err.print(f"[bold red]memory error {worst:.2f}% exceeds --tolerance {tolerance}%[/]")
         raise typer.Exit(1)

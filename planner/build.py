@@ -18,7 +18,8 @@ def predicted(pred: Prediction) -> Predicted:
     return Predicted(
         stages=[PredictedStage(index=s.index, layers=s.layers,
                                **{f"{k}_bytes": v for k, v in s.memory.categories().items()},
-                               peak_phase=s.memory.phase, micro_batch_s=s.micro_batch_s, step_extra_s=s.step_extra_s)
+                               peak_phase=s.memory.phase, micro_batch_s=s.micro_batch_s, step_extra_s=s.step_extra_s,
+                               parts_s=dict(s.parts))
                 for s in pred.stages],
         peak_bytes=pred.peak_bytes, step_time_s=pred.step_s, components_s=pred.components,
         samples_per_s=pred.samples_per_s, mfu=pred.mfu, host_peak_bytes=pred.host_peak_bytes)

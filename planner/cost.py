@@ -84,6 +84,8 @@ class LayerCost:
     sync_s: float          # once per step, hideable behind the last backward: gradient all-reduce (replicate), final reduction (pipelining)
     model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
     tp_comm_s: float = 0.0  # the part of comm_s that is TP all-reduces
+    forward_s: float = 0.0    # the part of compute_s that is the forward
+    recompute_s: float = 0.0  # the part of compute_s that runs the forward again (checkpointed)
 
     @property
     def micro_batch_s(self) -> float:
@@ -216,7 +218,7 @@ class CostModel:
                               fwd_transient=s.fwd_transient_bytes, bwd_peak=s.bwd_peak_bytes,
                               bwd_accum_peak=s.bwd_accum_peak_bytes)
             f, b = self._times(s)
-            self._cache[key] = LayerCost(mem, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops)
+            self._cache[key] = LayerCost(mem, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops, forward_s=f)
         return self._cache[key]
 
     def _layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
@@ -322,7 +324,9 @@ class CostModel:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
-        return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm)
+        scale = self.compute_scale(cand)
+        return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
+                         forward_s=fwd_s * scale, recompute_s=(fwd_s if checkpoint else 0.0) * scale)
 
     def compute_scale(self, cand: Candidate) -> float:
         """How much slower a rank computes than the profile measured (one process alone), on
@@ -527,9 +531,13 @@ class CostModel:
         offload = sum(c.offload_s for c in costs)
         dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs)
         step = sum(c.step_s for c in costs)
+        forward = sum(c.forward_s for c in costs) + (loss.forward_s if loss else 0.0)
+        recompute = sum(c.recompute_s for c in costs)
         return {"compute": compute, "tp_comm": tp, "offload": offload, "dp_comm": dp_mb,
                 "p2p": per_mb - compute - tp - offload - dp_mb,
-                "optimizer": step, "dp_sync": per_step - step}
+                "optimizer": step, "dp_sync": per_step - step,
+                # compute split for the timeline (they add up to compute)
+                "forward": forward, "recompute": recompute, "backward": compute - forward - recompute}
 
     def finish(self, cand: Candidate, preds: list[StagePrediction]) -> Prediction:
         m = cand.num_micro_batches

@@ -74,6 +74,7 @@ class PredictedStage:
     peak_phase: str             # the moment of the step the peak falls in (memory.walk_stage)
     micro_batch_s: float        # the stage's time per micro-batch
     step_extra_s: float         # its time once per step (optimizer, exposed gradient sync)
+    parts_s: dict[str, float] = field(default_factory=dict)  # those two by component (cost.CostModel.stage_parts)
 
 
 @dataclass

@@ -6,7 +6,7 @@ the built-in shapes are written out below, and the weights are random (the model
 initialisation from the config, deterministic under `torch.manual_seed`).
 
 The real Transformers class is built (`AutoModelForCausalLM.from_config`, attention "sdpa")
-and adapted to the layer stack of DESIGN.md, one `nn.Sequential`:
+and adapted to the layer stack of docs/design.md, one `nn.Sequential`:
 
   0      `TokenEmbedding` (Llama, Mistral, Qwen2: `embed_tokens`) or
          `TokenPositionEmbedding` (GPT-2: `wte` + `wpe`)
@@ -403,7 +403,7 @@ def build_hf_model(config) -> nn.Module:
 
 
 def adapt(model: nn.Module) -> nn.Sequential:
-    """The causal LM as the layer stack of DESIGN.md (it takes the model's modules; the model
+    """The causal LM as the layer stack of docs/design.md (it takes the model's modules; the model
     itself is not usable afterwards)."""
     config = model.config
     model_type = config.model_type

@@ -1,4 +1,4 @@
-"""Load a user's model file and check it against the contract in DESIGN.md.
+"""Load a user's model file and check it against the contract in docs/design.md.
 
 A model file defines `build_model() -> nn.Sequential`, `make_batch(batch_size) -> (inputs,
 targets)`, optionally `loss_fn(output, targets)` and `tp_plan`. Every way the file can break

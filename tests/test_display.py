@@ -95,3 +95,36 @@ def test_numbers_stay_short(value, text):
                                      (70_553_706_496, "70.6B")])
 def test_parameter_counts(n, text):
     assert display.count(n) == text
+
+
+# -- pictures --------------------------------------------------------------------------
+
+def test_the_timeline_drawn_is_the_step_predicted(big):
+    """Each stage's forward and backward add up to its time per micro-batch, and the schedule
+    run with them has every action once, never two at a time on a stage."""
+    import plots
+    from planner.timeline import schedule_timeline
+    _, _, plan = big
+    phases = [plots.stage_phases(s) for s in plan.predicted.stages]
+    for (f, b, parts), s in zip(phases, plan.predicted.stages):
+        assert f + b == pytest.approx(s.micro_batch_s, rel=1e-9)
+        assert sum(parts.values()) * 1 == pytest.approx(s.micro_batch_s - parts["communication"], rel=1e-9)
+        assert parts["recompute"] > 0 or not any(lc.checkpoint for lc in plan.stages[s.index].layers)
+    actions = schedule_timeline(plan.schedule, [f for f, _, _ in phases], [b for _, b, _ in phases], plan.num_micro_batches)
+    assert len(actions) == 2 * plan.pp * plan.num_micro_batches
+    for stage in range(plan.pp):
+        mine = sorted((a.start_s, a.end_s) for a in actions if a.stage == stage)
+        assert all(end <= nxt + 1e-12 for (_, end), (nxt, _) in zip(mine, mine[1:]))
+
+
+def test_plot_files_are_pictures(big, tmp_path):
+    import plots
+    from planner.verify import StageRow, TimeRow
+    _, _, plan = big
+    plots.plot_plan(plan, tmp_path / "plan.png")
+    rows = [StageRow(s, [s], 70 * 2**30, 71 * 2**30, -1.4) for s in range(plan.pp)]
+    plots.plot_verify(plan, rows, [TimeRow("compute", 1.0, 1.2)], tmp_path / "verify.png")
+    for name in ("plan.png", "verify.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.png", "verify.png"]   # no temporary left

@@ -211,29 +211,9 @@ def test_collectives_are_measured_for_every_kind_in_real_processes():
 
 
 def simulate_pipeline(schedule: str, fwd: list[float], bwd: list[float], m: int) -> float:
-    """Makespan of one step when every stage runs memory.schedule_actions' order and an action
-    starts once its stage is free and its inputs exist: F(s, j) after F(s - 1, j); B(s, j)
-    after F(s, j) and B(s + 1, j). Sends are free."""
-    from planner.memory import schedule_actions
-    pp = len(fwd)
-    orders = [schedule_actions(schedule, pp, s, m) for s in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}
-    clock, pos = [0.0] * pp, [0] * pp
-    while any(pos[s] < len(orders[s]) for s in range(pp)):
-        moved = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
-                deps = ([("F", s - 1, j)] if s > 0 else []) if kind == "F" else \
-                    [("F", s, j)] + ([("B", s + 1, j)] if s < pp - 1 else [])
-                if not all(d in done for d in deps):
-                    break
-                clock[s] = max([clock[s]] + [done[d] for d in deps]) + (fwd[s] if kind == "F" else bwd[s])
-                done[kind, s, j] = clock[s]
-                pos[s] += 1
-                moved = True
-        assert moved, "the schedule deadlocked"
-    return max(clock)
+    """Makespan of one step, action by action (planner.timeline; sends are free)."""
+    from planner.timeline import makespan, schedule_timeline
+    return makespan(schedule_timeline(schedule, fwd, bwd, m))
 
 
 def test_pipeline_step_matches_a_simulation_of_the_schedule():
