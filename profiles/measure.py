@@ -525,7 +525,9 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                     layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)
                     if b == max(opts.batch_sizes) and tp_mesh is not None and not opts.fake and any(True for _ in layer.parameters()):
                         layers[i].fsdp_overhead_s = measure_fsdp_overhead(layer, x, tp_mesh, opts)
-                    if tp_mesh is not None and tp_matches[i]:
+                    # (A layer whose split dims 2 does not divide admits no TP degree: the
+                    # planner then offers none, and DTensor could not run it unevenly anyway.)
+                    if tp_mesh is not None and tp_matches[i] and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
                         split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split

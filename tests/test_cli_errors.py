@@ -418,3 +418,26 @@ def test_a_profile_read_from_another_folder_still_finds_its_model(small_profile,
     result = run(["solve", str(here / "profile.json"), "--gpus", "1", "--hardware", "cpu", "-o", "plan.json"], tmp_path)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "plan.json").read_text())["model"]["path"] == str(here / "model.py")
+
+
+def test_a_tp_plan_whose_dims_do_not_divide_profiles_and_offers_no_tp(tmp_path):
+    """Linear(8, 5) split column-wise: no TP degree divides 5, so the profile measures no TP
+    and a pinned --tp 2 is refused with the reason (DTensor cannot run the split unevenly)."""
+    model = tmp_path / "odd.py"
+    model.write_text(GOOD_HEAD + textwrap.dedent("""
+        class L(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc, self.out = nn.Linear(8, 5), nn.Linear(5, 4)
+            def forward(self, x):
+                return self.out(self.fc(x))
+        def build_model():
+            return nn.Sequential(L())
+        tp_plan = {"fc": "colwise", "out": "rowwise"}
+    """))
+    prof = tmp_path / "profile.json"
+    assert run(["profile", str(model), "-o", str(prof), "--batch-sizes", "1", "--repeats", "1"], tmp_path).exit_code == 0
+    plan = tmp_path / "plan.json"
+    result = run(["solve", str(prof), "--gpus", "2", "--hardware", "cpu", "--tp", "2", "-o", str(plan)], tmp_path)
+    assert_one_sentence_error(result, ["--tp 2 does not divide the dimensions the model's tp_plan splits"])
+    assert not plan.exists()
