@@ -74,3 +74,25 @@ def test_offloaded_states_of_a_node_fit_its_host_memory():
     assert not result.solutions
     text = " ".join(explain_no_fit(prof, none, result, none.hardware.usable_memory_bytes()))
     assert "host memory" in text, text
+
+
+def test_tp_groups_stay_inside_nodes_and_launches_fill_them(tmp_path):
+    """12 GPUs on nodes of 6: a TP group of 4 would straddle two nodes (ranks 4-7) yet be
+    costed at the node's links, so no layout has one; 16 GPUs on nodes of 8 launch 8 per node."""
+    from planner.build import build_plan
+    from planner.search import enumerate_candidates
+    prof = random_profile(random.Random(2), 4)
+    prof.tp_divides = []
+    for layer in prof.layers:        # make every TP degree divide the (synthetic) split dims
+        for p in layer.params:
+            p.tp_dim = None
+    opts = SolveOptions(gpus=12, gpus_per_node=6, hardware=roomy_cpu(), global_batch=24)
+    tps = {c.tp for c in enumerate_candidates(prof, opts)}
+    assert 4 not in tps and {1, 2, 3, 6} <= tps
+    opts = SolveOptions(gpus=16, gpus_per_node=8, hardware=roomy_cpu(), global_batch=16, top_k=1)
+    result = search(prof, opts)
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    plan = build_plan(result.solutions[0], [], prof, str(path), opts.hardware, opts, 1 << 40, "plan.json")
+    assert plan.launch.startswith("torchrun --nproc-per-node 8 --nnodes 2 ")
+    assert plan.nodes == 2
