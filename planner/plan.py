@@ -252,7 +252,9 @@ class Plan:
         for name in ("profile", "model", "hardware"):
             if not isinstance(getattr(self, name), dict):
                 bad(f"its {name} is {getattr(self, name)!r}, not a table")
-        if self.hardware:
+        if not isinstance(self.hardware.get("name", ""), str):
+            bad(f"its hardware's name is {self.hardware['name']!r}, not text")
+        if "device_type" in self.hardware:      # a full description (plan solve's); hand-written plans may name one only
             from .hardware import Hardware, HardwareError
             try:
                 Hardware.from_json(self.hardware)
