@@ -9,6 +9,7 @@ writes run.json with every rank's figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import signal
@@ -133,6 +134,51 @@ def print_summary(run: RunReport) -> None:
     console.print(run_table(run))
 
 
+class StepRecord:
+    """Every rank's count of steps begun (batch in hand, compute started), kept in torchrun's
+    store, so that a rank whose collective timed out can name the ranks that fell behind
+    (outside torchrun: nothing kept)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.prefix = f"plan/steps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            with contextlib.suppress(RuntimeError, KeyError, ValueError):   # no record is no worse than before
+                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                           timeout=timedelta(seconds=10))
+
+    def begun(self, steps: int) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.prefix}{self.rank}", str(steps))
+
+    def behind(self) -> tuple[list[int], int] | None:
+        """The ranks that have begun the fewest steps and that count, when not all are equal."""
+        if self.store is None:
+            return None
+        try:
+            done = {r: int(self.store.get(f"{self.prefix}{r}")) if self.store.check([f"{self.prefix}{r}"]) else 0
+                    for r in range(self.world_size)}
+        except (RuntimeError, ValueError):
+            return None
+        least = min(done.values())
+        if least == max(done.values()):
+            return None
+        return sorted(r for r, n in done.items() if n == least), least
+
+
+def timeout_sentence(rank, timeout_s: float, record: StepRecord | None) -> str:
+    behind = record.behind() if record else None
+    if behind:
+        ranks, steps = behind
+        who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} never began step {steps + 1}")
+        return (f"rank {rank}: a collective waited more than {timeout_s:g} s; {who} (stopped, crashed or hung), so the "
+                "run stops; if steps really take that long, pass a larger --timeout.")
+    return (f"rank {rank}: a collective waited more than {timeout_s:g} s for the other ranks (one stopped, crashed or "
+            "hangs), so the run stops; if steps really take that long, pass a larger --timeout.")
+
+
 def progress_printer(trainer: Trainer, steps: int):
     """One line every few steps (about 20 in all, and the last) from the rank that holds the
     last stage for dp and tp rank 0: its loss is that replica's share of the batch."""
@@ -152,24 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         plan, spec, model = load_run_inputs(args.plan)
     except (PlanError, RunError, ModelFileError) as e:
         refuse(str(e))
+    record = StepRecord(plan.world_size)
     try:
-        return train_and_report(args, plan, spec, model)
+        return train_and_report(args, plan, spec, model, record)
     except Exception as e:  # noqa: BLE001 - a hang elsewhere is expected input; anything else is a bug
         if not is_timeout(e):
             raise
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
-        print(f"rank {rank}: a collective waited more than {args.timeout:g} s for the other ranks (one stopped, "
-              "crashed or hangs), so the run stops; if steps really take that long, pass a larger --timeout.",
-              file=sys.stderr, flush=True)
+        print(timeout_sentence(rank, args.timeout, record), file=sys.stderr, flush=True)
         os._exit(EXIT_TIMEOUT)
 
 
-def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, model: torch.nn.Sequential) -> int:
+def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, model: torch.nn.Sequential,
+                     record: StepRecord) -> int:
     init_distributed(plan, args.timeout)
     mesh = ParallelDims.from_plan(plan).build_mesh(plan.device_type)
     trainer = Trainer(plan, spec, model, mesh)
     del model  # the layers of other stages go with it
-    local_losses, report = trainer.train(args.steps, on_step=progress_printer(trainer, args.steps))
+    printer = progress_printer(trainer, args.steps)
+
+    local_losses, report = trainer.train(args.steps, on_step=printer, on_start=lambda step: record.begun(step + 1))
     losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
     reports: list[RankReport | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)

@@ -159,14 +159,17 @@ class Trainer:
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
 
     # -- the run -----------------------------------------------------------------------
-    def train(self, steps: int, on_step=None) -> tuple[list[float], RankReport]:
+    def train(self, steps: int, on_step=None, on_start=None) -> tuple[list[float], RankReport]:
         """Run `steps` steps; this rank's mean loss per step (0.0 off the last stage) and its
-        report. `on_step(step, loss or None, seconds)` is called after each step (outside its timing)."""
+        report. `on_start(step)` is called once a step's batch is ready, `on_step(step, loss or
+        None, seconds)` after the step (both outside its timing)."""
         measured = min(1, steps - 1)  # step 2, or the only step
         profiled = steps - 1 if steps >= 4 else None
         losses, times, peak, breakdown = [], [], 0, None
         for step in range(steps):
             inputs, targets = self.local_batch(step)
+            if on_start:
+                on_start(step)
             if step == profiled:
                 out: list = []
                 breakdown, wall = profile_step(lambda: out.append(self.train_step(inputs, targets)), self._synchronize)
