@@ -2,6 +2,7 @@
 nothing fits), no traceback, and no output file written or overwritten."""
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -442,3 +443,17 @@ def test_a_tp_plan_whose_dims_do_not_divide_profiles_and_offers_no_tp(tmp_path):
     result = run(["solve", str(prof), "--gpus", "2", "--hardware", "cpu", "--tp", "2", "-o", str(plan)], tmp_path)
     assert_one_sentence_error(result, ["--tp 2 does not divide the dimensions the model's tp_plan splits"])
     assert not plan.exists()
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_refused_before_the_work(small_profile, tmp_path):
+    _, prof = small_profile
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        result = run(["solve", str(prof), "--gpus", "1", "--hardware", "cpu", "-o", str(folder / "plan.json")], tmp_path)
+        assert_one_sentence_error(result, ["is not writable; give another path"])
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(0o755)
