@@ -401,7 +401,7 @@ def run(
     nnodes: Optional[int] = typer.Option(None, help="Nodes (torchrun --nnodes; default: the plan's)."),
     node_rank: int = typer.Option(0, help="This node's rank (torchrun --node-rank)."),
     rdzv_endpoint: Optional[str] = typer.Option(None, help="host:port of the rendezvous (several nodes)."),
-    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, help="Seconds a collective may wait for the other ranks before the run stops with the rank that waited."),
+    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, help="Seconds a collective may wait for the other ranks; past it the run stops and names the rank that fell behind."),
     print_only: bool = typer.Option(False, "--print", help="Only print the torchrun command."),
     slurm: bool = typer.Option(False, "--slurm", help="Only print an sbatch script that runs the plan on its nodes."),
 ):
