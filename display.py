@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from planner.hardware import format_size
+from planner.hardware import SIZE_UNITS, format_size
 
 WIDE_COLUMNS = 160          # a terminal at least this wide shows every column
 
@@ -37,13 +37,10 @@ def titled(title: str, t: Table) -> Group:
 
 # -- numbers -------------------------------------------------------------------------------
 
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
 def size_unit(values) -> tuple[str, float]:
-    """The unit that keeps the largest of `values` at 1 or more (bytes below 1 KiB)."""
+    """The unit up to GiB that keeps the largest of `values` at 1 or more (bytes below 1 KiB)."""
     top = max((abs(v) for v in values), default=0)
-    for unit, scale in _UNITS:
+    for unit, scale in SIZE_UNITS[1:]:              # from GiB down
         if top >= scale:
             return unit, scale
     return "B", 1

@@ -294,7 +294,8 @@ class CostModel:
         compute = fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)
         if self.measured_here and mode != "plain":
             compute += lp.fsdp_overhead_s.get(mode, 0.0)   # the unit's hooks and buffer copies, measured
-        compute *= self.compute_scale(cand)
+        scale = self.compute_scale(cand)
+        compute *= scale
         # TP all-reduces sit on the critical path; a checkpointed layer runs its forward's again.
         tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
         tp_comm = tp_fwd * (2 if checkpoint else 1) \
@@ -319,12 +320,11 @@ class CostModel:
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
             step_s = shard_numel / self.hw.cpu_adam_params_per_s
         if self.measured_here and mode == "replicate":
-            step_s += lp.fsdp_overhead_s.get("replicate_sync", 0.0) * self.compute_scale(cand)   # its reduction's copies
+            step_s += lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale   # its reduction's copies
         if zero1 and d > 1:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
-        scale = self.compute_scale(cand)
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
                          forward_s=fwd_s * scale, recompute_s=(fwd_s if checkpoint else 0.0) * scale)
 

@@ -470,12 +470,12 @@ def parse_size(text: str | int, what: str = "size") -> int:
     return int(_parse(text, "size", what))
 
 
-_SIZE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+SIZE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def format_size(n: float) -> str:
     """A byte count in the unit that suits it: "512 B", "3.41 MiB", "72.0 GiB", "1,051 GiB"."""
-    for unit, scale in _SIZE_UNITS:
+    for unit, scale in SIZE_UNITS:
         if abs(n) >= scale and (unit != "TiB" or abs(n) >= 10 * scale):
             v = n / scale
             return f"{v:,.2f} {unit}" if abs(v) < 10 else (f"{v:,.1f} {unit}" if abs(v) < 100 else f"{v:,.0f} {unit}")
@@ -485,7 +485,7 @@ def format_size(n: float) -> str:
 def size_flag_at_least(n: float) -> str:
     """A --memory-limit value (parse_size reads it) of at least `n` bytes, in a unit that suits it."""
     import math
-    unit, scale = next(((u, sc) for u, sc in _SIZE_UNITS[1:] if n >= sc), _SIZE_UNITS[-1])
+    unit, scale = next(((u, sc) for u, sc in SIZE_UNITS[1:] if n >= sc), SIZE_UNITS[-1])
     hundredths = math.ceil(n / scale * 100)
     while parse_size(f"{hundredths / 100:g}{unit}") < n:    # the float rounded down
         hundredths += 1

@@ -28,6 +28,13 @@ class PlanError(Exception):
     """A plan that cannot be used; the message is one sentence with the fix."""
 
 
+def tp_within_nodes(tp: int, gpus: int, node_size: int) -> bool:
+    """Whether every TP group lies inside one node: TP ranks are consecutive (tp innermost,
+    runtime/parallel_dims.MESH_DIMS), so tp must divide the node's GPUs once there are several
+    nodes (on one node any tp does); the cost model prices TP at the node's links."""
+    return tp <= gpus if gpus <= node_size else node_size % tp == 0
+
+
 def wraps_layers(dp: int, precision: str, any_offload: bool) -> bool:
     """Whether a layout's layers are FSDP2 units: to share with other dp ranks, to cast
     under mixed precision, or to offload. Else the plain path, no wrapper."""
@@ -233,7 +240,8 @@ class Plan:
                 bad(f"{name} is {v!r}, not a positive integer")
         if self.dp * self.tp * self.pp != self.world_size:
             bad(f"dp {self.dp} x tp {self.tp} x pp {self.pp} is not the world size {self.world_size}")
-        if self.world_size > self.gpus_per_node and (self.world_size % self.gpus_per_node or self.gpus_per_node % self.tp):
+        if (self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node) or \
+                not tp_within_nodes(self.tp, self.world_size, self.gpus_per_node):
             bad(f"its {self.world_size} ranks do not fill nodes of {self.gpus_per_node} GPUs with whole TP groups of {self.tp}")
         if self.micro_batch_size * self.num_micro_batches * self.dp != self.global_batch:
             bad(f"micro-batch {self.micro_batch_size} x {self.num_micro_batches} micro-batches x dp {self.dp} is not the global batch {self.global_batch}")

@@ -19,7 +19,7 @@ from profiles.schema import Profile
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .milp import Layout, choices_for, runs_of, solve_layout
-from .plan import wraps_layers
+from .plan import tp_within_nodes, wraps_layers
 
 
 class SolveError(Exception):
@@ -134,13 +134,6 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--solver {opts.solver} is not cbc or highs.")
     if not any(True for _ in enumerate_candidates(profile, opts)):
         raise SolveError(f"no layout of {n} GPUs matches the pinned flags and a global batch of {g}; unpin a degree or change --global-batch.")
-
-
-def tp_within_nodes(tp: int, gpus: int, node_size: int) -> bool:
-    """Whether every TP group lies inside one node: TP ranks are consecutive (tp innermost,
-    runtime/parallel_dims.MESH_DIMS), so tp must divide the node's GPUs once there are several
-    nodes (on one node any tp does); the cost model prices TP at the node's links."""
-    return tp <= gpus if gpus <= node_size else node_size % tp == 0
 
 
 def micro_batch_sizes(profile: Profile, per_replica: int, pinned: int | None) -> list[int]:

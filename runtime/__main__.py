@@ -27,7 +27,6 @@ from display import run_table
 from planner.plan import Plan, PlanError, load_plan
 from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
-from profiles.schema import OPTIMIZERS, PRECISIONS
 
 from .launch import DEFAULT_TIMEOUT_S
 from .parallel_dims import ParallelDims
@@ -67,10 +66,6 @@ def load_run_inputs(plan_path: str) -> tuple[Plan, ModelSpec, torch.nn.Sequentia
     if int(world) != plan.world_size:
         raise RunError(f"plan {plan_path} is for {plan.world_size} processes but this launch has {world}; "
                        f"start it with `torchrun --nproc-per-node {plan.world_size} -m runtime {plan_path}` or `plan run {plan_path}`.")
-    if plan.optimizer.name not in OPTIMIZERS:
-        raise RunError(f"plan {plan_path} names optimizer {plan.optimizer.name!r}, not one of {', '.join(OPTIMIZERS)}; solve again with `plan solve`.")
-    if plan.precision not in PRECISIONS:
-        raise RunError(f"plan {plan_path} names precision {plan.precision!r}, not one of {', '.join(PRECISIONS)}; solve again with `plan solve`.")
     if problem := schedule_problem(plan.schedule, len(plan.stages), plan.pp, plan.num_micro_batches):
         raise RunError(f"plan {plan_path} cannot run: {problem}; solve again with `plan solve`.")
     if plan.device_type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
@@ -97,9 +92,14 @@ def refuse(message: str) -> NoReturn:
     os._exit(2)
 
 
+def agent_store(timeout_s: float) -> dist.TCPStore:
+    """A client of torchrun's own store (TORCHELASTIC_USE_AGENT_STORE): no process group needed."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = agent_store(timeout_s)
     key = f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
@@ -146,8 +146,7 @@ class StepRecord:
         self.store = None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             with contextlib.suppress(RuntimeError, KeyError, ValueError):   # no record is no worse than before
-                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                           timeout=timedelta(seconds=10))
+                self.store = agent_store(10.0)
 
     def begun(self, steps: int) -> None:
         if self.store is not None:
