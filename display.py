@@ -196,7 +196,8 @@ def time_check_table(rows, rank: int) -> Group:
 
 def run_table(run) -> Group:
     unit, scale = size_unit([r.peak_bytes for r in run.ranks])
-    title = (f"run of {run.plan_path}: {run.world_size} ranks, {run.steps} steps (peak {unit}, median step s)")
+    steps = f"steps {run.first_step + 1}-{run.first_step + run.steps}" if run.first_step else f"{run.steps} steps"
+    title = (f"run of {run.plan_path}: {run.world_size} ranks, {steps} (peak {unit}, median step s)")
     t = table(["rank", "pp", "dp", "tp", "peak", "step s"])
     for r in run.ranks:
         t.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank), number(r.peak_bytes / scale),

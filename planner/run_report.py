@@ -7,7 +7,8 @@ refused with one sentence (RunReportError).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
+import statistics
 from pathlib import Path
 
 from profiles.schema import read_json_document, write_json_atomic
@@ -46,6 +47,10 @@ class RunReport:
     device: str                # "cpu" or the CUDA device's name
     torch_version: str
     ranks: list[RankReport] = field(default_factory=list)
+    first_step: int = 0        # steps trained before this launch (resumed from a checkpoint)
+    global_batch: int = 0      # samples per step
+    tokens_per_sample: int = 0  # token ids per input row (integer inputs); 0: the inputs are not tokens
+    checkpoint: str = ""       # the last checkpoint this launch wrote ("" if none)
     schema: int = RUN_SCHEMA_VERSION
     kind: str = "run"
 
@@ -63,11 +68,22 @@ class RunReport:
             raise RunReportError(f"{source} has schema {d.get('schema')!r}, this plan reads {RUN_SCHEMA_VERSION}; run the plan again.")
         try:
             ranks = [RankReport(**r) for r in d["ranks"]]
-            run = cls(ranks=ranks, **{f.name: d[f.name] for f in fields(cls) if f.name != "ranks"})
+            # Fields with a default may be missing (documents written before they existed).
+            run = cls(ranks=ranks, **{f.name: d[f.name] for f in fields(cls) if f.name != "ranks"
+                                      and (f.name in d or f.default is MISSING)})
             run.validate()
         except (KeyError, TypeError, ValueError) as e:
             raise RunReportError(f"{source} is damaged or hand-edited ({type(e).__name__}: {e}); run the plan again.") from None
         return run
+
+    @property
+    def step_s(self) -> float:
+        """The step's measured time: the median over ranks of each rank's median step."""
+        return statistics.median(r.median_step_s for r in self.ranks)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_s
 
     def validate(self) -> None:
         """Types and counts a reader relies on; a ValueError names the first that is wrong."""
@@ -79,6 +95,10 @@ class RunReport:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} is {getattr(self, name)!r}, not text")
         whole("steps", self.steps, 1)
+        for name in ("first_step", "global_batch", "tokens_per_sample"):
+            whole(name, getattr(self, name))
+        if not isinstance(self.checkpoint, str):
+            raise ValueError(f"checkpoint is {self.checkpoint!r}, not text")
         if len(self.ranks) != self.world_size:
             raise ValueError(f"{len(self.ranks)} ranks for world size {self.world_size}")
         if sorted(r.rank for r in self.ranks) != list(range(self.world_size)):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def compare(plan: Plan, plan_path: str | Path, run: RunReport) -> tuple[list[Sta
         rows.append(StageRow(pp_rank, [r.rank for r in mine], peak, measured, 100.0 * (peak - measured) / max(measured, 1)))
     # Every rank waits for the others each step, so they take the same time per step on
     # the whole; the median over ranks of their median steps is the least noisy figure.
-    measured_step = statistics.median(r.median_step_s for r in run.ranks)
+    measured_step = run.step_s
     return rows, (predicted(plan).step_time_s, measured_step)
 
 

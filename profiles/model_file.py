@@ -1,7 +1,8 @@
 """Load a user's model file and check it against the contract in docs/design.md.
 
 A model file defines `build_model() -> nn.Sequential`, `make_batch(batch_size) -> (inputs,
-targets)`, optionally `loss_fn(output, targets)` and `tp_plan`. Every way the file can break
+targets)`, optionally `loss_fn(output, targets)`, `tp_plan` and `dataset()` (a map-style
+dataset the runtime trains on instead of make_batch's batches; runtime/data.py). Every way the file can break
 the contract raises `ModelFileError` with one sentence that names the problem and the fix;
 the CLI prints it and exits 2.
 """
@@ -45,6 +46,7 @@ class ModelSpec:
     loss_fn: Callable = default_loss_fn
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_divides: list[int] = field(default_factory=list)   # a tensor-parallel degree must divide each (e.g. head counts)
+    dataset: Callable | None = None    # dataset() -> map-style dataset of (input, target) samples; None: make_batch's
     # Filled by adapters (Hugging Face): what the model is, for the profile header.
     source: str = "file"
     name: str = ""
@@ -104,9 +106,12 @@ def load_model_file(path: str | Path) -> ModelSpec:
     tp_divides = getattr(module, "tp_divides", None) or []
     if not (isinstance(tp_divides, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in tp_divides)):
         raise ModelFileError(f"tp_divides in model file {path} must be a list of positive integers that a tensor-parallel degree must divide, e.g. [N_HEAD].")
+    dataset = getattr(module, "dataset", None)
+    if dataset is not None and not callable(dataset):
+        raise ModelFileError(f"dataset in model file {path} is not a function; define dataset() returning a map-style dataset, or remove it.")
     # The absolute path: a profile or plan read from another folder still finds the file.
     return ModelSpec(path=str(p.resolve()), sha256=file_sha256(p), build_model=build, make_batch=make,
-                     loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem, tp_divides=list(tp_divides))
+                     loss_fn=loss, tp_plan=dict(tp_plan), name=p.stem, tp_divides=list(tp_divides), dataset=dataset)
 
 
 def check_tp_plan_types(tp_plan, path) -> None:

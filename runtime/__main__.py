@@ -28,10 +28,14 @@ from planner.plan import Plan, PlanError, load_plan
 from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 
+from . import checkpoint
+from .api import apply_plan, init_distributed
+from .checkpoint import CheckpointError, CheckpointInfo
+from .config import ConfigError, TrainConfig, add_train_args, load_config
+from .data import batch_source, sample_shapes
 from .launch import DEFAULT_TIMEOUT_S
-from .parallel_dims import ParallelDims
 from .pipeline import schedule_problem
-from .train import Trainer, build_model, reduce_losses
+from .train import Checkpointing, StepLog, Trainer, build_model, reduce_losses
 
 
 EXIT_TIMEOUT = 4
@@ -49,12 +53,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds a collective may wait for the other ranks before the run stops")
+    p.add_argument("--checkpoint-dir", help="write checkpoints (torch.distributed.checkpoint) into this folder")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also write one every N steps (0: after the last only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
+    add_train_args(p)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
     if not args.timeout > 0:
         p.error("--timeout must be a positive number of seconds")
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be 0 or more steps")
     return args
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return load_config(args.config, **{name: getattr(args, name) for name in TrainConfig.__dataclass_fields__})
+
+
+def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint to load (None: start afresh). A torchrun
+    restart (--max-restarts) resumes from the latest complete checkpoint when there is one."""
+    if not args.checkpoint_dir:
+        if args.resume:
+            raise RunError("--resume needs --checkpoint-dir, the folder of the checkpoints to continue from.")
+        return 0, None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if args.resume or (restarted and checkpoint.complete_checkpoints(args.checkpoint_dir)):
+        path, info = checkpoint.find_resume(args.checkpoint_dir, shapes, plan.optimizer.name)
+        if info.step >= args.steps:
+            raise RunError(f"{path} was written after step {info.step}, so --steps {args.steps} leaves nothing to train; "
+                           f"pass a --steps above {info.step}.")
+        return info.step, path
+    checkpoint.check_fresh(args.checkpoint_dir)
+    return 0, None
 
 
 def load_run_inputs(plan_path: str) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
@@ -105,16 +137,6 @@ def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add(key, 0) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def init_distributed(plan: Plan, timeout_s: float) -> None:
-    timeout = timedelta(seconds=timeout_s)
-    if plan.device_type == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
 
 
 def is_timeout(e: BaseException) -> bool:
@@ -178,28 +200,48 @@ def timeout_sentence(rank, timeout_s: float, record: StepRecord | None) -> str:
             "hangs), so the run stops; if steps really take that long, pass a larger --timeout.")
 
 
-def progress_printer(trainer: Trainer, steps: int):
-    """One line every few steps (about 20 in all, and the last) from the rank that holds the
-    last stage for dp and tp rank 0: its loss is that replica's share of the batch."""
-    if not (trainer.has_last_stage and trainer.dp_rank == 0 and trainer.tp_rank == 0):
+def progress_printer(parallel, plan: Plan, tokens_per_sample: int):
+    """A log line on the steps that log (runtime.train.Trainer.log_due), from the rank that
+    holds the last stage for dp and tp rank 0: its loss is that replica's share of the batch."""
+    if not (parallel.has_last_stage and parallel.dp_rank == 0 and parallel.tp_rank == 0):
         return None
-    every = max(1, steps // 20)
+    console = Console(highlight=False)
 
-    def on_step(step: int, loss: float | None, seconds: float) -> None:
-        if (step + 1) % every == 0 or step + 1 == steps:
-            print(f"step {step + 1}/{steps}: loss {loss:.4f} (dp rank 0's samples), {seconds:.3f} s", flush=True)
+    def on_step(log: StepLog) -> None:
+        rate = plan.global_batch * (tokens_per_sample or 1) / log.seconds
+        parts = [f"step {log.step}/{log.steps}", f"loss {log.loss:.4f} (dp rank 0's samples)", f"lr {log.lr:.3g}"]
+        if log.grad_norm is not None:
+            parts.append(f"grad norm {log.grad_norm:.3g}")
+        parts += [f"{log.seconds:.3f} s", f"{rate:,.0f} {'tokens' if tokens_per_sample else 'samples'}/s"]
+        if parallel.device.type == "cuda":
+            parts.append(f"peak {torch.cuda.max_memory_allocated(parallel.device) / 2**30:.2f} GiB")
+        console.print(", ".join(parts), markup=False)
     return on_step
+
+
+def tokens_per_sample(spec: ModelSpec) -> int:
+    """Token ids per input row when the inputs are integers (token ids), else 0."""
+    (shape, dtype), _ = sample_shapes(spec)
+    return int(torch.Size(shape).numel()) if not dtype.is_floating_point and not dtype.is_complex else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan, spec, model = load_run_inputs(args.plan)
-    except (PlanError, RunError, ModelFileError) as e:
+        config = train_config(args)
+        source = batch_source(spec, plan)
+        shapes = checkpoint.model_shapes(model)
+        start, resume_from = resume_point(args, plan, shapes)
+    except (PlanError, RunError, ModelFileError, ConfigError, CheckpointError) as e:
         refuse(str(e))
+    info = CheckpointInfo(step=0, model=spec.name, params=shapes, optimizer=plan.optimizer.name,
+                          layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero},
+                          config=config.to_json(), total_steps=args.steps)
+    checkpoints = Checkpointing(Path(args.checkpoint_dir), args.checkpoint_every, info) if args.checkpoint_dir else None
     record = StepRecord(plan.world_size)
     try:
-        return train_and_report(args, plan, spec, model, record)
+        return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from)
     except Exception as e:  # noqa: BLE001 - a hang elsewhere is expected input; anything else is a bug
         if not is_timeout(e):
             raise
@@ -209,21 +251,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, model: torch.nn.Sequential,
-                     record: StepRecord) -> int:
+                     record: StepRecord, source, config: TrainConfig, checkpoints: Checkpointing | None,
+                     start: int, resume_from: Path | None) -> int:
     init_distributed(plan, args.timeout)
-    mesh = ParallelDims.from_plan(plan).build_mesh(plan.device_type)
-    trainer = Trainer(plan, spec, model, mesh)
+    parallel = apply_plan(model, plan, spec.loss_fn, spec.tp_plan)
     del model  # the layers of other stages go with it
-    printer = progress_printer(trainer, args.steps)
+    trainer = Trainer(parallel, source, config, checkpoints)
+    if resume_from is not None:
+        checkpoint.load(parallel, resume_from)
+        if dist.get_rank() == 0:
+            print(f"resumed from {resume_from} (after step {start})", flush=True)
+            saved, now = checkpoint.read_info(resume_from).config, config.to_json()
+            if saved != now:
+                changed = ", ".join(k for k in now if saved.get(k) != now[k])
+                print(f"note: the training settings differ from the checkpoint's ({changed}); the steps go on with the new ones.", flush=True)
+    tokens = tokens_per_sample(spec)
+    printer = progress_printer(parallel, plan, tokens)
 
-    local_losses, report = trainer.train(args.steps, on_step=printer, on_start=lambda step: record.begun(step + 1))
-    losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
+    local_losses, report = trainer.train(args.steps, start, on_step=printer, on_start=lambda step: record.begun(step + 1))
+    losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
     reports: list[RankReport | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
         run = RunReport(plan_path=args.plan, plan_sha256=hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
-                        world_size=plan.world_size, steps=args.steps, losses=losses, device=device_name(plan),
-                        torch_version=torch.__version__, ranks=reports)
+                        world_size=plan.world_size, steps=args.steps - start, losses=losses, device=device_name(plan),
+                        torch_version=torch.__version__, ranks=reports, first_step=start, global_batch=plan.global_batch,
+                        tokens_per_sample=tokens, checkpoint=str(trainer.saved or ""))
         run.validate()                   # what verify will check: a bug here, not a bad run document
         run.save(args.out)
         print_summary(run)

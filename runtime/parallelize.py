@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from planner.plan import LayerChoice, Plan
 from profiles import tensor_parallel
-from profiles.model_file import ModelSpec, tp_plan_matches
+from profiles.model_file import tp_plan_matches
 
 
 def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
@@ -53,13 +53,13 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, lc: LayerChoice, precisio
         replicate(module, mesh=dp_mesh, mp_policy=mp)
 
 
-def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], spec: ModelSpec, mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
+def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], tp_plan: dict[str, str], mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
     """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then make the stage the root DP unit."""
     for lc in layers:
         name = str(lc.index)
         layer = stage.get_submodule(name)
         if plan.tp > 1:
-            apply_tp(layer, mesh["tp"], spec.tp_plan)
+            apply_tp(layer, mesh["tp"], tp_plan)
         if lc.checkpoint:
             layer = apply_ac(layer)
             stage.register_module(name, layer)

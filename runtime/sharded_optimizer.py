@@ -63,6 +63,7 @@ class ShardedOptimizer:
         self.me = dp_group.rank() if dp_group is not None else 0
         self.aliases: list[nn.Parameter] = []
         self.inner: torch.optim.Optimizer | None = None
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}   # loaded states, installed when inner is built
 
     @property
     def state(self) -> dict:
@@ -77,13 +78,20 @@ class ShardedOptimizer:
         lo, hi = chunk_bounds(t.numel(), self.group.size())[self.me]
         return t.view(-1)[lo:hi]
 
-    def step(self) -> None:
+    def step(self, lr: float | None = None) -> None:
+        """One update of every parameter from its gradient, at `lr` when given."""
         if self.inner is None:
             # Built at the first step, after FSDP2's lazy init has settled every local tensor;
             # nn.Parameter(view) shares the view's storage, so the update lands in the real parameter.
             self.aliases = ([nn.Parameter(local(p).detach()) for p in self.whole]
                             + [nn.Parameter(self._my_chunk(local(p).detach())) for p in self.chunked])
             self.inner = build_optimizer(self.aliases, self.config)
+            for p, alias in zip(self.whole + self.chunked, self.aliases):
+                if id(p) in self.pending:
+                    self.inner.state[alias] = self.pending.pop(id(p))
+        if lr is not None:
+            for group in self.inner.param_groups:
+                group["lr"] = lr
         n_whole = len(self.whole)
         for k, (p, alias) in enumerate(zip(self.whole + self.chunked, self.aliases)):
             if p.grad is None:
@@ -101,3 +109,75 @@ class ShardedOptimizer:
         """Drop every gradient (set_to_none), the aliases' too, so that none outlives the step."""
         for t in (*self.params, *self.aliases):
             t.grad = None
+
+    # -- checkpoints: states as their parameters' shards, keyed "name/state" -----------------
+    def state_names(self) -> tuple[str, ...]:
+        """The per-parameter states the optimizer keeps (torch's names)."""
+        return {"sgd": (), "momentum": ("momentum_buffer",)}.get(self.config.name, ("step", "exp_avg", "exp_avg_sq"))
+
+    def export_state(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """Every state of every parameter in `params` (name -> parameter), as a tensor sharded
+        like its parameter (a DTensor of the parameter's global shape where it is one); ZeRO-1
+        chunks are gathered over dp first. Empty before the first step."""
+        if self.inner is None:
+            return {}
+        alias_of = {id(p): a for p, a in zip(self.whole + self.chunked, self.aliases)}
+        chunked = {id(p) for p in self.chunked}
+        out = {}
+        for name, p in params.items():
+            state = self.inner.state.get(alias_of[id(p)], {})
+            for key in self.state_names():
+                t = state.get(key)
+                if t is None:             # never stepped (no gradient yet): a fresh state is zeros
+                    t = torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(alias_of[id(p)])
+                if key == "step":
+                    out[f"{name}/{key}"] = t.detach().clone()
+                    continue
+                if id(p) in chunked:
+                    t = self._gather_chunks(t, local(p))
+                out[f"{name}/{key}"] = like(p, t)
+        return out
+
+    def state_templates(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """export_state's keys and shardings, filled with zeros: what a checkpoint loads into."""
+        out = {}
+        for name, p in params.items():
+            for key in self.state_names():
+                out[f"{name}/{key}"] = (torch.zeros((), dtype=torch.float32, device=local(p).device) if key == "step"
+                                        else like(p, torch.zeros_like(local(p))))
+        return out
+
+    def import_state(self, params: dict[str, nn.Parameter], states: dict[str, torch.Tensor]) -> None:
+        """Install states shaped as export_state's (this rank's shards; ZeRO-1 keeps its chunk)."""
+        chunked = {id(p) for p in self.chunked}
+        alias_of = {id(p): a for p, a in zip(self.whole + self.chunked, self.aliases)}
+        for name, p in params.items():
+            state = {}
+            for key in self.state_names():
+                t = local(states[f"{name}/{key}"]).detach()
+                state[key] = self._my_chunk(t).clone() if id(p) in chunked and key != "step" else t.clone()
+            if not state:
+                continue
+            if self.inner is None:
+                self.pending[id(p)] = state
+            else:
+                self.inner.state[alias_of[id(p)]] = state
+
+    def _gather_chunks(self, chunk: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """The dp ranks' chunks of one state, put together in the shape of `whole` (this rank's
+        local tensor of the parameter)."""
+        bounds = chunk_bounds(whole.numel(), self.group.size())
+        size = bounds[0][1] - bounds[0][0]
+        padded = torch.zeros(size, dtype=chunk.dtype, device=chunk.device)
+        padded[:chunk.numel()] = chunk.reshape(-1)
+        parts = [torch.empty_like(padded) for _ in bounds]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:hi - lo] for part, (lo, hi) in zip(parts, bounds)]).view(whole.shape)
+
+
+def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t` (shaped as p's local tensor) sharded as p is: a DTensor of p's mesh, placements and
+    global shape when p is one."""
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

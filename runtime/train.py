@@ -1,6 +1,11 @@
-"""The training loop: build this rank's part of the model, train it, measure it.
+"""The training loop of `plan run`: a short user of runtime.api that trains, logs,
+checkpoints and measures.
 
-Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
+Each step t seeds torch's RNG with seed + 1 + t, takes this dp rank's rows (runtime/data.py),
+sets the learning rate of step t (runtime/config.py) and runs ParallelModel.train_step; every
+`checkpoint_every` steps, and after the last, it writes a checkpoint (runtime/checkpoint.py).
+
+Measurements count from the launch's first step (a resumed run measures its own steps). Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
 alive that the step uses. Step time is the median wall time of steps 3..S-1; with S >= 4 the
 last step runs under torch.profiler and gives the step's time by component (breakdown.py),
@@ -12,28 +17,29 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from planner.plan import Plan, Stage
+from planner.plan import Plan
 from planner.run_report import RankReport
 from profiles.live_memory import LiveMemory
-from profiles.model_file import ModelSpec, build_checked_model, call_make_batch
+from profiles.model_file import ModelSpec, build_checked_model
 
-from .breakdown import optimizer_region, profile_step
-from .parallel_dims import MESH_DIMS
-from .parallelize import parallelize_stage
-from .pipeline import build_pipeline_schedule, p2p_buffers
-from .sharded_optimizer import ShardedOptimizer, local
+from . import checkpoint
+from .api import ParallelModel
+from .breakdown import profile_step
+from .config import TrainConfig
+from .data import DatasetBatches, SyntheticBatches
+from .pipeline import p2p_buffers
+from .sharded_optimizer import local
 
 
 def build_model(spec: ModelSpec, plan: Plan) -> nn.Sequential:
@@ -41,17 +47,6 @@ def build_model(spec: ModelSpec, plan: Plan) -> nn.Sequential:
     torch.manual_seed(plan.seed)
     model = build_checked_model(spec)
     return model.to(torch.bfloat16) if plan.precision == "bf16" else model
-
-
-def global_batch(spec: ModelSpec, plan: Plan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s whole global batch, on CPU; every rank draws the same one."""
-    torch.manual_seed(plan.seed + 1 + step)
-    return call_make_batch(spec, plan.global_batch)
-
-
-def build_stage(model: nn.Sequential, stage: Stage) -> nn.Sequential:
-    """The stage's layers in order, named by their index in the model (so names match the full model's)."""
-    return nn.Sequential(OrderedDict((str(lc.index), model[lc.index]) for lc in stage.layers))
 
 
 class DeviceMemory(LiveMemory):
@@ -91,107 +86,83 @@ def fsdp_gather_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
 
 
 
+@dataclass
+class StepLog:
+    """What one step did, for the log line."""
+
+    step: int                  # steps done (1-based)
+    steps: int                 # the run's last step
+    loss: float | None         # this rank's mean loss (None off the last stage)
+    seconds: float
+    lr: float
+    grad_norm: float | None    # before clipping; computed when clipping or logging
+
+
+@dataclass
+class Checkpointing:
+    directory: Path
+    every: int                         # also after every N steps (0: after the last only)
+    info: checkpoint.CheckpointInfo    # what each checkpoint.json records (its step set at each save)
+
+    def due(self, done: int, steps: int) -> bool:
+        return done == steps or (self.every > 0 and done % self.every == 0)
+
+
 class Trainer:
-    """This rank's stages of the model, parallelized as the plan says, with their optimizer."""
+    """Trains a ParallelModel on a batch source and measures the run."""
 
-    def __init__(self, plan: Plan, spec: ModelSpec, model: nn.Sequential, mesh: DeviceMesh):
-        self.plan, self.spec = plan, spec
-        self.device = torch.device("cuda", torch.cuda.current_device()) if plan.device_type == "cuda" else torch.device("cpu")
-        self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
-        stages = plan.stages_of_rank(self.pp_rank)
-        self.stage_indices = [s.index for s in stages]
-        self.modules = [parallelize_stage(build_stage(model, s).to(self.device), s.layers, spec, mesh, plan) for s in stages]
-        self.has_first_stage = 0 in self.stage_indices
-        self.has_last_stage = len(plan.stages) - 1 in self.stage_indices
+    def __init__(self, parallel: ParallelModel, source: SyntheticBatches | DatasetBatches,
+                 config: TrainConfig | None = None, checkpoints: Checkpointing | None = None):
+        self.parallel, self.source = parallel, source
+        self.config = config or TrainConfig()
+        self.checkpoints = checkpoints
+        self.saved: Path | None = None          # the latest checkpoint this run wrote
 
-        self.offloaded = [p for s, m in zip(stages, self.modules) for lc in s.layers if lc.offload
-                          for p in m.get_submodule(str(lc.index)).parameters()]
-        params = [p for m in self.modules for p in m.parameters()]
-        zero1 = plan.wrapped and plan.zero == 1 and plan.dp > 1
-        offloaded_ids = {id(p) for p in self.offloaded}
-        self.optimizer = ShardedOptimizer(params, plan.optimizer, mesh["dp"].get_group() if zero1 else None,
-                                          replicated=[p for p in params if id(p) not in offloaded_ids])
-        # Accumulation: replicate units (zero 0/1) all-reduce only after the last micro-batch;
-        # fully_shard units (zero 2/3, offloaded layers) reduce-scatter after every one.
-        self.sync_units = [u for m in self.modules for u in m.modules() if isinstance(u, ReplicateModule)]
+    def log_due(self, done: int, start: int, steps: int) -> bool:
+        every = self.config.log_every or max(1, (steps - start) // 20)
+        return done % every == 0 or done == steps
 
-        self.schedule, self.pipeline_stages = None, []
-        if plan.pp > 1:
-            self.schedule, self.pipeline_stages = build_pipeline_schedule(
-                list(zip(self.stage_indices, self.modules)), len(plan.stages), self.device,
-                mesh["pp"].get_group(), plan.schedule, plan.num_micro_batches, spec.loss_fn)
-
-    # -- one step ----------------------------------------------------------------------
-    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This dp rank's rows of the global batch, copied so the rest can be freed."""
-        inputs, targets = global_batch(self.spec, self.plan, step)
-        rows = self.plan.micro_batch_size * self.plan.num_micro_batches
-        lo, hi = self.dp_rank * rows, (self.dp_rank + 1) * rows
-        return inputs[lo:hi].to(self.device, copy=True), targets[lo:hi].to(self.device, copy=True)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward, backward and optimizer step; the mean loss of this rank's rows (None off the last stage)."""
-        loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
-        with optimizer_region():
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-        return loss
-
-    def _accumulation_step(self, inputs, targets) -> torch.Tensor:
-        m, b = self.plan.num_micro_batches, self.plan.micro_batch_size
-        model = self.modules[0]
-        losses = []
-        for k in range(m):
-            for unit in self.sync_units:
-                unit.set_requires_gradient_sync(k == m - 1, recurse=False)
-            rows = slice(k * b, (k + 1) * b)
-            loss = self.spec.loss_fn(model(inputs[rows]), targets[rows])
-            (loss / m).backward()
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
-
-    def _pipeline_step(self, inputs, targets) -> torch.Tensor | None:
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first_stage else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last_stage else {}
-        # return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's output.
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
-
-    # -- the run -----------------------------------------------------------------------
-    def train(self, steps: int, on_step=None, on_start=None) -> tuple[list[float], RankReport]:
-        """Run `steps` steps; this rank's mean loss per step (0.0 off the last stage) and its
-        report. `on_start(step)` is called once a step's batch is ready, `on_step(step, loss or
-        None, seconds)` after the step (both outside its timing)."""
-        measured = min(1, steps - 1)  # step 2, or the only step
-        profiled = steps - 1 if steps >= 4 else None
+    def train(self, steps: int, start: int = 0, on_step=None, on_start=None) -> tuple[list[float], RankReport]:
+        """Run steps start..steps-1; this rank's mean loss per step (0.0 off the last stage) and
+        its report. `on_start(step)` is called once a step's batch is ready, `on_step(StepLog)`
+        after the steps that log (both outside the step's timing)."""
+        p, plan = self.parallel, self.parallel.plan
+        n = steps - start
+        measured = min(1, n - 1)  # the launch's second step, or the only one
+        profiled = n - 1 if n >= 4 else None
         losses, times, peak, breakdown = [], [], 0, None
-        for step in range(steps):
-            inputs, targets = self.local_batch(step)
+        for k, step in enumerate(range(start, steps)):
+            torch.manual_seed(plan.seed + 1 + step)
+            inputs, targets = (t.to(p.device) for t in self.source.batch(step, p.dp_rank))
+            lr = self.config.lr_at(step, plan.optimizer.lr, steps)
+            logs = self.log_due(step + 1, start, steps)
+            args = dict(lr=lr, clip_grad_norm=self.config.clip_grad_norm, grad_norm=logs)
             if on_start:
                 on_start(step)
-            if step == profiled:
+            if k == profiled:
                 out: list = []
-                breakdown, wall = profile_step(lambda: out.append(self.train_step(inputs, targets)), self._synchronize)
+                breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize)
                 times.append(wall)
                 loss = out[0]
             else:
-                with self._measure_memory(inputs, targets) if step == measured else contextlib.nullcontext() as memory:
+                with self._measure_memory(inputs, targets) if k == measured else contextlib.nullcontext() as memory:
                     self._synchronize()
                     t0 = time.perf_counter()
-                    loss = self.train_step(inputs, targets)
+                    loss = p.train_step(inputs, targets, **args)
                     self._synchronize()
                     times.append(time.perf_counter() - t0)
                 if memory is not None:
                     peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
-            if on_step:
-                on_step(step, losses[-1] if loss is not None else None, times[-1])
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
+            if on_step and logs:
+                on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, p.grad_norm))
+            if self.checkpoints and self.checkpoints.due(step + 1, steps):
+                self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
+        if p.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(p.device)
         timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times
-        report = RankReport(rank=dist.get_rank(), pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
-                            stages=self.stage_indices, peak_bytes=int(peak), step_times_s=times,
+        report = RankReport(rank=dist.get_rank(), pp_rank=p.pp_rank, dp_rank=p.dp_rank, tp_rank=p.tp_rank,
+                            stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
                             breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0)
         return losses, report
@@ -200,17 +171,18 @@ class Trainer:
     def _measure_memory(self, inputs: torch.Tensor, targets: torch.Tensor):
         """CUDA: start the allocator's peak here (read after the last step). CPU: a DeviceMemory
         for this step, told what is alive at its start, leaving out what offload keeps on the host."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        p = self.parallel
+        if p.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(p.device)
             yield None
             return
         with DeviceMemory() as memory:
-            memory.track(*self.modules, *fsdp_gather_buffers(self.modules), self.optimizer.state,
-                         *p2p_buffers(self.pipeline_stages), inputs, targets)
-            memory.exclude(self.offloaded, self.optimizer.state_of(self.offloaded))
+            memory.track(*p.modules, *fsdp_gather_buffers(p.modules), p.optimizer.state,
+                         *p2p_buffers(p.pipeline_stages), inputs, targets)
+            memory.exclude(p.offloaded, p.optimizer.state_of(p.offloaded))
             memory.reset_peak()
             # FSDP2 hands an offloaded parameter its new (host) gradient, then calls these hooks.
-            hooks = [p.register_post_accumulate_grad_hook(lambda p: memory.exclude(p.grad)) for p in self.offloaded]
+            hooks = [q.register_post_accumulate_grad_hook(lambda q: memory.exclude(q.grad)) for q in p.offloaded]
             try:
                 yield memory
             finally:
@@ -218,8 +190,8 @@ class Trainer:
                     h.remove()
 
     def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.parallel.device.type == "cuda":
+            torch.cuda.synchronize(self.parallel.device)
 
 
 def reduce_losses(losses: list[float], has_last_stage: bool, plan: Plan, device: torch.device) -> list[float]:

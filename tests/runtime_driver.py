@@ -21,17 +21,19 @@ from torch.distributed.tensor import DTensor
 
 from planner.plan import load_plan
 from profiles.model_file import load_spec
+from runtime.api import ParallelModel, apply_plan
+from runtime.data import batch_source
 from runtime.parallel_dims import ParallelDims
 from runtime.train import Trainer, build_model, reduce_losses
 
 
-def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+def full_state(parallel: ParallelModel) -> dict[str, torch.Tensor]:
     """The whole model's state on every rank: each (pp) stage's tensors from its dp 0 / tp 0 rank."""
     state = {}
-    for module in trainer.modules:
+    for module in parallel.modules:
         for name, t in module.state_dict().items():  # names as in the full model ("3.attn.q.weight")
             state[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-    mine = state if trainer.dp_rank == 0 and trainer.tp_rank == 0 else {}
+    mine = state if parallel.dp_rank == 0 and parallel.tp_rank == 0 else {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {k: v for part in gathered for k, v in part.items()}
@@ -46,10 +48,10 @@ def main(directory: str, steps: int) -> None:
         dims = ParallelDims.from_plan(plan)
         if dims not in meshes:
             meshes[dims] = dims.build_mesh("cpu")
-        trainer = Trainer(plan, spec, build_model(spec, plan), meshes[dims])
-        local_losses, report = trainer.train(steps)
-        losses = reduce_losses(local_losses, trainer.has_last_stage, plan, trainer.device)
-        state = full_state(trainer)
+        parallel = apply_plan(build_model(spec, plan), plan, spec.loss_fn, spec.tp_plan, mesh=meshes[dims])
+        local_losses, report = Trainer(parallel, batch_source(spec, plan)).train(steps)
+        losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
+        state = full_state(parallel)
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, asdict(report))
         if dist.get_rank() == 0:

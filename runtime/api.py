@@ -1,0 +1,215 @@
+"""Apply a plan to a model inside your own training loop.
+
+    import torch.distributed as dist
+    from runtime import api
+
+    plan = api.load_plan("plan.json")
+    api.init_distributed(plan)                               # under torchrun
+    parallel = api.apply_plan(build_model(), plan, loss_fn)  # this rank's stages, parallelized
+    for step in range(steps):
+        inputs, targets = ...                                # this dp rank's rows (runtime.data)
+        loss = parallel.train_step(inputs, targets, lr=lr)   # micro-batches, schedule, clipping, step
+
+`train_step` runs the plan's micro-batches (pipeline schedule or accumulation), clips the
+gradients to a global norm when asked and steps the optimizer. `state_dict()` /
+`load_state_dict()` give every rank's part of the model and optimizer keyed by the full
+model's parameter names, as DTensors where they are sharded, so that
+torch.distributed.checkpoint can write them under one plan and read them under another
+(runtime/checkpoint.py). docs/runtime.md and examples/own_loop.py show a whole loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from planner.plan import Plan, Stage, load_plan
+from profiles.model_file import default_loss_fn
+
+from .breakdown import optimizer_region
+from .launch import DEFAULT_TIMEOUT_S
+from .parallel_dims import MESH_DIMS, ParallelDims
+from .parallelize import parallelize_stage
+from .pipeline import build_pipeline_schedule
+from .sharded_optimizer import ShardedOptimizer, local
+
+__all__ = ["ParallelModel", "apply_plan", "init_distributed", "load_plan"]
+
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def init_distributed(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """The default process group for the plan's device: NCCL on CUDA (one GPU per local rank), else gloo."""
+    timeout = timedelta(seconds=timeout_s)
+    if plan.device_type == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name as in the full model: without checkpoint_wrapper's prefix."""
+    return name.replace(WRAPPER_PREFIX, "")
+
+
+def build_stage(model: nn.Sequential, stage: Stage) -> nn.Sequential:
+    """The stage's layers in order, named by their index in the model (so names match the full model's)."""
+    return nn.Sequential(OrderedDict((str(lc.index), model[lc.index]) for lc in stage.layers))
+
+
+class ParallelModel:
+    """This rank's part of a model laid out as the plan says, its optimizer and its step."""
+
+    def __init__(self, model: nn.Sequential, plan: Plan, loss_fn: Callable, mesh: DeviceMesh, tp_plan: dict[str, str]):
+        self.plan, self.loss_fn, self.mesh = plan, loss_fn, mesh
+        self.device = torch.device("cuda", torch.cuda.current_device()) if plan.device_type == "cuda" else torch.device("cpu")
+        self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
+        stages = plan.stages_of_rank(self.pp_rank)
+        self.stage_indices = [s.index for s in stages]
+        self.modules = [parallelize_stage(build_stage(model, s).to(self.device), s.layers, tp_plan, mesh, plan) for s in stages]
+        self.has_first_stage = 0 in self.stage_indices
+        self.has_last_stage = len(plan.stages) - 1 in self.stage_indices
+
+        self.offloaded = [p for s, m in zip(stages, self.modules) for lc in s.layers if lc.offload
+                          for p in m.get_submodule(str(lc.index)).parameters()]
+        params = [p for m in self.modules for p in m.parameters()]
+        zero1 = plan.wrapped and plan.zero == 1 and plan.dp > 1
+        offloaded_ids = {id(p) for p in self.offloaded}
+        self.optimizer = ShardedOptimizer(params, plan.optimizer, mesh["dp"].get_group() if zero1 else None,
+                                          replicated=[p for p in params if id(p) not in offloaded_ids])
+        # Accumulation: replicate units (zero 0/1) all-reduce only after the last micro-batch;
+        # fully_shard units (zero 2/3, offloaded layers) reduce-scatter after every one.
+        self.sync_units = [u for m in self.modules for u in m.modules() if isinstance(u, ReplicateModule)]
+
+        self.schedule, self.pipeline_stages = None, []
+        if plan.pp > 1:
+            self.schedule, self.pipeline_stages = build_pipeline_schedule(
+                list(zip(self.stage_indices, self.modules)), len(plan.stages), self.device,
+                mesh["pp"].get_group(), plan.schedule, plan.num_micro_batches, loss_fn)
+
+    # -- the step ------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        """Samples per step on one dp rank (micro-batch size x micro-batches)."""
+        return self.plan.micro_batch_size * self.plan.num_micro_batches
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float | None = None,
+                   clip_grad_norm: float = 0.0, grad_norm: bool = False) -> torch.Tensor | None:
+        """Forward and backward over this dp rank's `rows` samples, then the optimizer step at
+        `lr` (None: the optimizer's own). With clip_grad_norm > 0 the gradients are first scaled
+        to at most that global L2 norm (as torch.nn.utils.clip_grad_norm_ on one process);
+        the norm before clipping is then `self.grad_norm` (also computed when grad_norm is set).
+        Returns this rank's mean loss (None off the last stage)."""
+        loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
+        self.grad_norm = None
+        if clip_grad_norm > 0 or grad_norm:
+            self.grad_norm = self.clip_grad_norm_(clip_grad_norm)
+        with optimizer_region():
+            self.optimizer.step(lr)
+            self.optimizer.zero_grad()
+        return loss
+
+    def _accumulation_step(self, inputs, targets) -> torch.Tensor:
+        m, b = self.plan.num_micro_batches, self.plan.micro_batch_size
+        model = self.modules[0]
+        losses = []
+        for k in range(m):
+            for unit in self.sync_units:
+                unit.set_requires_gradient_sync(k == m - 1, recurse=False)
+            rows = slice(k * b, (k + 1) * b)
+            loss = self.loss_fn(model(inputs[rows]), targets[rows])
+            (loss / m).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _pipeline_step(self, inputs, targets) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last_stage else {}
+        # return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's output.
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global L2 norm of every gradient of the model (all stages, all shards), the same
+        on every rank; with max_norm > 0 the gradients are scaled by max_norm / (norm + 1e-6)
+        where that is below 1 (torch.nn.utils.clip_grad_norm_'s rule).
+
+        Each rank sums the squares of its gradients' local tensors, each divided by the number
+        of ranks that hold the same elements: a stage's parameters live on its dp x tp ranks,
+        and a local tensor is one of as many distinct pieces as the product of the mesh sizes
+        its DTensor is sharded over (1 for a plain tensor). One all-reduce adds the rest.
+        """
+        holders = self.plan.dp * self.plan.tp
+        grads = [p.grad for p in self.optimizer.params if p.grad is not None]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            pieces = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_shard()) if isinstance(g, DTensor) else 1
+            total += local(g).detach().to(self.device, torch.float64).pow(2).sum() / (holders // pieces)
+        dist.all_reduce(total)
+        norm = float(total.sqrt())
+        if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1:
+            for g in grads:
+                local(g).mul_(coef)
+        return norm
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by their names in the full model ("3.attn.q.weight")."""
+        return {clean_name(n): p for m in self.modules for n, p in m.named_parameters()}
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"model": parameter name -> tensor, "optimizer": "name/state" -> tensor}; sharded
+        tensors as DTensors of the full parameter's shape, so that DCP reshards them."""
+        params = self.named_parameters()
+        return {"model": {n: p.detach() for n, p in params.items()},
+                "optimizer": self.optimizer.export_state(params)}
+
+    def empty_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """state_dict()'s keys and shardings, to load into (the model's own tensors, empty optimizer states)."""
+        params = self.named_parameters()
+        return {"model": {n: p.detach() for n, p in params.items()},
+                "optimizer": self.optimizer.state_templates(params)}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take a state_dict()-shaped dict: the model's tensors are copied in, the optimizer's installed."""
+        params = self.named_parameters()
+        with torch.no_grad():
+            for n, t in state["model"].items():
+                if t.data_ptr() != params[n].detach().data_ptr():   # DCP loads in place; a dict of copies needs copying
+                    local(params[n]).copy_(local(t))
+        self.optimizer.import_state(params, state["optimizer"])
+
+
+def apply_plan(model: nn.Sequential, plan: Plan | str, loss_fn: Callable | None = None,
+               tp_plan: dict[str, str] | None = None, mesh: DeviceMesh | None = None) -> ParallelModel:
+    """This rank's stages of `model` (the whole model, built the same on every rank) laid out
+    as `plan` says, with the optimizer and step the plan names.
+
+    loss_fn(output, targets) defaults to cross-entropy; tp_plan (submodule globs -> "colwise" /
+    "rowwise") is the model file's, needed when plan.tp > 1. The default process group must
+    exist (init_distributed); the device mesh is built from the plan unless given.
+    """
+    plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if not dist.is_initialized():
+        raise RuntimeError("apply_plan needs the default process group; call runtime.api.init_distributed(plan) first, under torchrun.")
+    if dist.get_world_size() != plan.world_size:
+        raise ValueError(f"the plan is for {plan.world_size} processes but this group has {dist.get_world_size()}.")
+    if len(model) != plan.n_layers:
+        raise ValueError(f"the plan lays out {plan.n_layers} layers but the model has {len(model)}.")
+    if plan.tp > 1 and not tp_plan:
+        raise ValueError(f"the plan is tensor-parallel (tp {plan.tp}) but no tp_plan was given; pass the model file's tp_plan.")
+    mesh = mesh or ParallelDims.from_plan(plan).build_mesh(plan.device_type)
+    return ParallelModel(model, plan, loss_fn or default_loss_fn, mesh, tp_plan or {})
