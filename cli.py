@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import display
 from planner.hardware import DEFAULT_HARDWARE
+from runtime.config import HELP as TRAIN_HELP
 from runtime.launch import DEFAULT_TIMEOUT_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -66,9 +67,13 @@ def expected_errors():
     from planner.search import SolveError
     from profiles.schema import ProfileError
     errors = (HardwareError, PlanError, RunReportError, SolveError, ProfileError)
+    from runtime.config import ConfigError
+    errors += (ConfigError,)
     try:
         from profiles.model_file import ModelFileError
-        errors += (ModelFileError,)
+        from runtime.__main__ import RunError
+        from runtime.checkpoint import CheckpointError
+        errors += (ModelFileError, RunError, CheckpointError)
     except ImportError:  # torch missing: the planner still runs
         pass
     return errors
@@ -404,17 +409,39 @@ def run(
     timeout: float = typer.Option(DEFAULT_TIMEOUT_S, help="Seconds a collective may wait for the other ranks; past it the run stops and names the rank that fell behind."),
     print_only: bool = typer.Option(False, "--print", help="Only print the torchrun command."),
     slurm: bool = typer.Option(False, "--slurm", help="Only print an sbatch script that runs the plan on its nodes."),
+    checkpoint_dir: Optional[Path] = typer.Option(None, help="Write checkpoints (torch.distributed.checkpoint) into this folder, after the last step and every --checkpoint-every."),
+    checkpoint_every: int = typer.Option(0, help="Also write a checkpoint every N steps (0: after the last only)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --checkpoint-dir (under this plan or another of the same model)."),
+    max_restarts: int = typer.Option(0, help="Restart every rank after a failure, up to this many times, resuming from the latest checkpoint (torchrun --max-restarts)."),
+    config: Optional[Path] = typer.Option(None, help="A TOML file of the training settings below (flags win)."),
+    lr: Optional[float] = typer.Option(None, help=TRAIN_HELP["lr"]),
+    lr_schedule: Optional[str] = typer.Option(None, help=TRAIN_HELP["lr_schedule"] + " [default: constant]"),
+    warmup_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["warmup_steps"] + " [default: 0]"),
+    decay_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["decay_steps"]),
+    min_lr_ratio: Optional[float] = typer.Option(None, help=TRAIN_HELP["min_lr_ratio"] + " [default: 0.1]"),
+    clip_grad_norm: Optional[float] = typer.Option(None, help=TRAIN_HELP["clip_grad_norm"] + " [default: 0]"),
+    log_every: Optional[int] = typer.Option(None, help=TRAIN_HELP["log_every"]),
 ):
-    """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`); Ctrl-C stops every rank."""
+    """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`) and train it; Ctrl-C stops every rank."""
     import os
     import shlex
 
     from planner.plan import load_plan
+    from runtime.config import train_args
     from runtime.launch import build_command, run_torchrun, slurm_script
     if steps is not None and steps < 1:
         fail(f"--steps is {steps}; give 1 or more.")
     if not timeout > 0:
         fail(f"--timeout is {timeout:g}; give a positive number of seconds.")
+    if checkpoint_every < 0 or max_restarts < 0:
+        fail(f"--{'checkpoint-every' if checkpoint_every < 0 else 'max-restarts'} is negative; give 0 or more.")
+    if max_restarts and not checkpoint_dir:
+        fail("--max-restarts resumes from checkpoints; pass --checkpoint-dir too (and --checkpoint-every N to lose at most N steps).")
+    extra = train_args(config, lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, decay_steps=decay_steps,
+                       min_lr_ratio=min_lr_ratio, clip_grad_norm=clip_grad_norm, log_every=log_every)
+    if checkpoint_dir:
+        extra += ["--checkpoint-dir", str(checkpoint_dir)] + (["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])
+    extra += ["--resume"] if resume else []
     try:
         plan = load_plan(plan_path)
         if nnodes is not None and nnodes != plan.nodes:
@@ -422,13 +449,15 @@ def run(
                  f"pass --nnodes {plan.nodes}, or solve again with --gpus-per-node for your nodes.")
         nnodes = plan.nodes
         if slurm:
-            out.print(escape(slurm_script(plan_path, plan, steps, run_out, timeout)), highlight=False, soft_wrap=True)
+            out.print(escape(slurm_script(plan_path, plan, steps, run_out, timeout, extra=extra, max_restarts=max_restarts)),
+                      highlight=False, soft_wrap=True)
             return
         cmd = build_command(str(plan_path), plan, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                            steps=steps, out=str(run_out) if run_out else None, timeout_s=timeout)
+                            steps=steps, out=str(run_out) if run_out else None, timeout_s=timeout, extra=extra,
+                            max_restarts=max_restarts)
         if not print_only:
             # What every rank would refuse, refused here once, before torchrun starts.
-            check_model_matches(plan)
+            check_run_inputs(plan, cmd[cmd.index("runtime") + 1:])
             check_writable(run_out or Path("run.json"), "--out")
             check_devices(plan, plan.world_size // nnodes)
     except expected_errors() as e:
@@ -453,17 +482,22 @@ def run(
         raise typer.Exit(code if 0 < code < 128 else 1)
 
 
-def check_model_matches(plan) -> None:
-    """The model file loads, is the one solved for, and has the plan's layers (built on the
-    meta device: nothing allocated, whatever its size)."""
+def check_run_inputs(plan, runtime_argv: list[str]) -> None:
+    """What the ranks would refuse, checked with the runtime's own parser and checks: the
+    model file loads, is the one solved for and has the plan's layers (built on the meta
+    device: nothing allocated, whatever its size); the training settings, the dataset's
+    first sample, and the checkpoint folder (to resume from, or free of another run's)."""
     import torch
 
     from profiles.model_file import build_checked_model, load_spec
+    from runtime.__main__ import check_run_settings, parse_args
+    from runtime.checkpoint import model_shapes
     spec = load_spec(plan.model)
     with torch.device("meta"):
-        layers = len(build_checked_model(spec))
-    if layers != plan.n_layers:
-        fail(f"the plan lays out {plan.n_layers} layers but {spec.path} builds {layers}; profile and solve again.")
+        model = build_checked_model(spec)
+    if len(model) != plan.n_layers:
+        fail(f"the plan lays out {plan.n_layers} layers but {spec.path} builds {len(model)}; profile and solve again.")
+    check_run_settings(parse_args(runtime_argv), plan, spec, model_shapes(model), check_data=True)
 
 
 def check_devices(plan, per_node: int) -> None:

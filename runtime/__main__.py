@@ -45,6 +45,9 @@ class RunError(Exception):
     """A plan this launch cannot run; the message is one sentence with the fix."""
 
 
+RUN_ERRORS = (PlanError, RunError, ModelFileError, ConfigError, CheckpointError)   # each a sentence with the fix
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (under torchrun).")
     p.add_argument("plan", help="plan.json written by `plan solve`")
@@ -69,6 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return load_config(args.config, **{name: getattr(args, name) for name in TrainConfig.__dataclass_fields__})
+
+
+def check_run_settings(args: argparse.Namespace, plan: Plan, spec: ModelSpec, shapes: dict, check_data: bool = False):
+    """The training settings, the batch source, the step to start from and the checkpoint to
+    load; what `plan run` also checks before launching (there with the dataset's first sample)."""
+    config = train_config(args)
+    source = batch_source(spec, plan, check=check_data)
+    start, resume_from = resume_point(args, plan, shapes)
+    return config, source, start, resume_from
 
 
 def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[int, Path | None]:
@@ -215,7 +227,7 @@ def progress_printer(parallel, plan: Plan, tokens_per_sample: int):
         parts += [f"{log.seconds:.3f} s", f"{rate:,.0f} {'tokens' if tokens_per_sample else 'samples'}/s"]
         if parallel.device.type == "cuda":
             parts.append(f"peak {torch.cuda.max_memory_allocated(parallel.device) / 2**30:.2f} GiB")
-        console.print(", ".join(parts), markup=False)
+        console.print(", ".join(parts), markup=False, soft_wrap=True)
     return on_step
 
 
@@ -229,11 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan, spec, model = load_run_inputs(args.plan)
-        config = train_config(args)
-        source = batch_source(spec, plan)
         shapes = checkpoint.model_shapes(model)
-        start, resume_from = resume_point(args, plan, shapes)
-    except (PlanError, RunError, ModelFileError, ConfigError, CheckpointError) as e:
+        config, source, start, resume_from = check_run_settings(args, plan, spec, shapes)
+    except RUN_ERRORS as e:
         refuse(str(e))
     info = CheckpointInfo(step=0, model=spec.name, params=shapes, optimizer=plan.optimizer.name,
                           layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero},
@@ -242,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     record = StepRecord(plan.world_size)
     try:
         return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from)
+    except ModelFileError as e:          # the dataset's samples, read during the run
+        refuse(str(e))
     except Exception as e:  # noqa: BLE001 - a hang elsewhere is expected input; anything else is a bug
         if not is_timeout(e):
             raise

@@ -88,8 +88,10 @@ def checked_sample(dataset, i: int, shapes, spec: ModelSpec) -> tuple[torch.Tens
     return sample[0], sample[1]
 
 
-def batch_source(spec: ModelSpec, plan: Plan) -> SyntheticBatches | DatasetBatches:
-    """The model file's dataset when it defines one (checked on its first sample), else make_batch's."""
+def batch_source(spec: ModelSpec, plan: Plan, check: bool = False) -> SyntheticBatches | DatasetBatches:
+    """The model file's dataset when it defines one, else make_batch's. With `check` its first
+    sample is read and checked now (`plan run` does, before launching; the ranks do not, so
+    that each reads only its own samples, and refuse a bad one when they read it)."""
     if spec.dataset is None:
         return SyntheticBatches(spec, plan)
     try:
@@ -101,5 +103,6 @@ def batch_source(spec: ModelSpec, plan: Plan) -> SyntheticBatches | DatasetBatch
     if size < 1:
         raise ModelFileError(f"dataset() in {spec.path} is empty; give it samples, or remove dataset() to train on make_batch's.")
     source = DatasetBatches(dataset, spec, plan)
-    checked_sample(dataset, 0, source.shapes, spec)
+    if check:
+        checked_sample(dataset, 0, source.shapes, spec)
     return source

@@ -17,9 +17,12 @@ DEFAULT_TIMEOUT_S = 300.0   # a collective's wait for the other ranks (torch's d
 
 
 def build_command(plan_path: str | Path, plan, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-                  steps: int | None = None, out: str | Path | None = None, timeout_s: float | None = None) -> list[str]:
+                  steps: int | None = None, out: str | Path | None = None, timeout_s: float | None = None,
+                  extra: list[str] = (), max_restarts: int = 0) -> list[str]:
     """argv for this node: `torchrun` (as `python -m torch.distributed.run`, so it is this
-    interpreter's torch) with world_size / nnodes processes, then `-m runtime plan.json`.
+    interpreter's torch) with world_size / nnodes processes, then `-m runtime plan.json` and
+    its options (`extra`: checkpoint and training flags as the runtime spells them). With
+    max_restarts torchrun restarts every rank after a failure, that many times at most.
 
     Several nodes use static rendezvous at rdzv_endpoint ("host:port"), so that node_rank fixes
     which global ranks (and so which pp / dp / tp coordinates) each node runs.
@@ -29,6 +32,8 @@ def build_command(plan_path: str | Path, plan, nnodes: int = 1, node_rank: int =
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is not in 0..{nnodes - 1}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.world_size // nnodes}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
     if nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -36,12 +41,13 @@ def build_command(plan_path: str | Path, plan, nnodes: int = 1, node_rank: int =
             raise ValueError(f"a run on {nnodes} nodes needs the rendezvous endpoint host:port of node 0")
         host, port = rdzv_endpoint.rsplit(":", 1)
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
-    return cmd + runtime_args(plan_path, steps, out, timeout_s)
+    return cmd + runtime_args(plan_path, steps, out, timeout_s, extra)
 
 
-def runtime_args(plan_path: str | Path, steps: int | None, out: str | Path | None, timeout_s: float | None) -> list[str]:
+def runtime_args(plan_path: str | Path, steps: int | None, out: str | Path | None, timeout_s: float | None,
+                 extra: list[str] = ()) -> list[str]:
     """`-m runtime plan.json` and its options (runtime/__main__.py)."""
-    cmd = ["-m", "runtime", str(plan_path)]
+    cmd = ["-m", "runtime", str(plan_path), *extra]
     if steps is not None:
         cmd += ["--steps", str(steps)]
     if out is not None:
@@ -52,14 +58,15 @@ def runtime_args(plan_path: str | Path, steps: int | None, out: str | Path | Non
 
 
 def slurm_script(plan_path: str | Path, plan, steps: int | None = None, out: str | Path | None = None,
-                 timeout_s: float | None = None, port: int = 29500) -> str:
+                 timeout_s: float | None = None, port: int = 29500, extra: list[str] = (), max_restarts: int = 0) -> str:
     """An sbatch script that runs the plan: one task per node, each starting torchrun for its
     node's ranks, with node 0 of the allocation as the rendezvous (static, as build_command)."""
     import shlex
     per_node = plan.world_size // plan.nodes
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
-                f"--nnodes={plan.nodes}", "--node-rank=$SLURM_NODEID", "--master-addr=$HEAD", f"--master-port={port}"]
-    args = " ".join(shlex.quote(a) for a in runtime_args(Path(plan_path).resolve(), steps, out, timeout_s))
+                f"--nnodes={plan.nodes}", "--node-rank=$SLURM_NODEID", "--master-addr=$HEAD", f"--master-port={port}",
+                *([f"--max-restarts={max_restarts}"] if max_restarts else [])]
+    args = " ".join(shlex.quote(a) for a in runtime_args(Path(plan_path).resolve(), steps, out, timeout_s, extra))
     line = " ".join(torchrun[:4]) + " " + " ".join(torchrun[4:]) + " " + args
     return "\n".join([
         "#!/bin/bash",

@@ -1,0 +1,232 @@
+"""Training for real: checkpoints that resume exactly (under the same plan or another), a
+dataset read per data-parallel rank, and the refusals of bad checkpoint folders and data.
+
+Real torchrun launches of `python -m runtime`, real torch.distributed.checkpoint files.
+
+Tolerances. Resuming under the same plan runs the same ops in the same order as the
+uninterrupted run, so losses and final states are held to rtol 1e-6 (seen: bit-equal).
+Resuming under another plan changes the order of the sums (dp 4 -> pp 2 x tp 2): the losses
+are held to rtol 1e-5 (test_runtime's fp32 tolerance; seen 4e-8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from typer.testing import CliRunner
+
+from cli import app
+
+from planner.plan import OptimizerConfig
+from profiles.model_file import load_spec
+from runtime.config import TrainConfig, train_args
+from runtime.data import DatasetBatches, batch_source
+from runtime.launch import build_command
+from runtime.reference import train_reference
+
+from runtime_cases import ROOT, make_plan
+
+SAME_PLAN_TOL = {"rtol": 1e-6, "atol": 1e-8}
+OTHER_PLAN_TOL = {"rtol": 1e-5, "atol": 1e-6}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+DATA_MODEL = Path(__file__).parent / "data_model.py"
+ADAMW = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.01)
+# Warm-up, a cosine over the 6 steps and clipping that bites (gpt's norm is ~0.6 at these steps):
+# every part of the step's settings that a resume must carry on.
+SETTINGS = dict(lr_schedule="cosine", warmup_steps=2, decay_steps=6, clip_grad_norm=0.5)
+PLANS = {
+    "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=ADAMW),
+    "pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=ADAMW),     # ZeRO-1: the optimizer's chunks gathered
+    "dp4": make_plan(dp=4, b=2, optimizer=ADAMW),
+    "pp2_tp2": make_plan(pp=2, tp=2, b=4, m=2, optimizer=ADAMW),
+}
+
+
+def launch(tmp: Path, name: str, *args: str, plan=None, env=None) -> dict:
+    """Run plan `name` under torchrun with the runtime's own flags; its run.json."""
+    plan = plan or PLANS[name]
+    plan_path, out = tmp / f"{name}.plan.json", tmp / f"{name}-{len(list(tmp.glob('*.run.json')))}.run.json"
+    plan.save(plan_path)
+    cmd = build_command(plan_path, plan, out=out, extra=[*train_args(**SETTINGS), *args])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env or ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def saved_state(directory: Path) -> dict:
+    """A checkpoint's tensors, read back without a process group."""
+    out = directory.parent / f"{directory.name}.pt"
+    dcp_to_torch_save(directory, out)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Uninterrupted 6-step runs, and 3 steps + resume + 3 steps, for dp2 x tp2 and pp2 x dp2;
+    and 3 steps under dp 4 resumed under pp2 x tp2."""
+    tmp = tmp_path_factory.mktemp("training")
+    got = {}
+    for name in ("dp2_tp2", "pp2_dp2"):
+        whole, parts = tmp / f"{name}-whole", tmp / f"{name}-parts"
+        got[name] = {
+            "whole": launch(tmp, name, "--steps", "6", "--checkpoint-dir", str(whole)),
+            "first": launch(tmp, name, "--steps", "3", "--checkpoint-dir", str(parts)),
+            "second": launch(tmp, name, "--steps", "6", "--checkpoint-dir", str(parts), "--resume"),
+            "whole_dir": whole, "parts_dir": parts}
+    moved = tmp / "dp4-then-pp2_tp2"
+    got["moved"] = {"first": launch(tmp, "dp4", "--steps", "3", "--checkpoint-dir", str(moved)),
+                    "second": launch(tmp, "pp2_tp2", "--steps", "6", "--checkpoint-dir", str(moved), "--resume"),
+                    "dir": moved}
+    return got
+
+
+@pytest.mark.parametrize("name", ["dp2_tp2", "pp2_dp2"])
+def test_resume_is_exact(runs, name):
+    """6 steps in one run equal 3 steps + resume + 3 steps: losses, parameters, optimizer states."""
+    r = runs[name]
+    assert (r["first"]["first_step"], r["second"]["first_step"], r["second"]["steps"]) == (0, 3, 3)
+    losses = r["first"]["losses"] + r["second"]["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(r["whole"]["losses"]), **SAME_PLAN_TOL)
+    assert r["second"]["checkpoint"].endswith("step-00000006")
+    whole, resumed = saved_state(r["whole_dir"] / "step-00000006"), saved_state(r["parts_dir"] / "step-00000006")
+    assert sorted(whole["model"]) == sorted(resumed["model"]) and len(whole["optimizer"]) == 3 * len(whole["model"])
+    for part in ("model", "optimizer"):
+        for key, t in whole[part].items():
+            torch.testing.assert_close(resumed[part][key], t, **SAME_PLAN_TOL, msg=lambda m: f"{part} {key}: {m}")
+    # A resume that dropped the optimizer's states or the schedule would not have matched:
+    # Adam's first step from zero states moves every parameter by ~lr, far outside the tolerance.
+    first = saved_state(r["parts_dir"] / "step-00000003")
+    assert any(not torch.allclose(first["model"][k], t, **SAME_PLAN_TOL) for k, t in whole["model"].items())
+
+
+def test_checkpoint_from_dp4_resumes_under_pp2_tp2(runs):
+    """DCP reshards: a dp 4 checkpoint (replicated parameters) continues as pp 2 x tp 2
+    (split layers, sharded matrices) with the uninterrupted run's losses."""
+    r = runs["moved"]
+    whole = runs["dp2_tp2"]["whole"]["losses"]        # the same global batches, settings and init
+    losses = r["first"]["losses"] + r["second"]["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole), **OTHER_PLAN_TOL)
+    info = json.loads((r["dir"] / "step-00000003" / "checkpoint.json").read_text())
+    assert info["layout"] == {"dp": 4, "tp": 1, "pp": 1, "zero": 0} and info["step"] == 3
+
+
+def test_a_save_cut_short_is_never_resumed(runs, tmp_path):
+    """Only a renamed folder with checkpoint.json is complete: a .partial one (a crash during
+    the save) is passed over, and alone it is refused."""
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(runs["pp2_dp2"]["parts_dir"] / "step-00000003", d / "step-00000009.partial")
+    from runtime.checkpoint import CheckpointError, complete_checkpoints, find_resume
+    assert complete_checkpoints(d) == []
+    with pytest.raises(CheckpointError, match="cut short"):
+        find_resume(d, {}, "adamw")
+    shutil.copytree(runs["pp2_dp2"]["parts_dir"] / "step-00000003", d / "step-00000003")
+    assert [p.name for p in complete_checkpoints(d)] == ["step-00000003"]
+
+
+# -- bad input: one sentence, exit 2, nothing written ----------------------------------------
+
+def plan_run(tmp: Path, plan, *args: str) -> tuple[int, str]:
+    """`plan run` in this process (its checks refuse before any launch): exit code and output."""
+    plan_path = tmp / "p.plan.json"
+    plan.save(plan_path)
+    result = CliRunner().invoke(app, ["run", str(plan_path), "--out", str(tmp / "r.json"), *args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def listing(d: Path) -> dict:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+def test_bad_checkpoint_folders_are_refused_before_launch(runs, tmp_path):
+    ck = runs["dp2_tp2"]["whole_dir"]
+    before = listing(ck)
+    foreign = tmp_path / "foreign"
+    (foreign / "step-00000001").mkdir(parents=True)
+    (foreign / "step-00000001" / "checkpoint.json").write_text('{"kind": "plan"}')
+    mlp = make_plan(ROOT / "examples" / "mlp.py", dp=2, optimizer=ADAMW)
+    cases = [
+        (PLANS["dp2_tp2"], ["--resume"], "--resume needs --checkpoint-dir"),
+        (PLANS["dp2_tp2"], ["--checkpoint-dir", str(tmp_path / "none"), "--resume"], "does not exist"),
+        (PLANS["dp2_tp2"], ["--checkpoint-dir", str(foreign), "--resume"], "is not a checkpoint written by plan"),
+        (mlp, ["--checkpoint-dir", str(ck), "--resume"], "is a checkpoint of another model"),
+        (make_plan(dp=2, tp=2, zero=3, m=2, optimizer=OptimizerConfig(name="momentum", lr=0.05)),
+         ["--checkpoint-dir", str(ck), "--resume"], "holds adamw optimizer states but the plan trains with momentum"),
+        (PLANS["dp2_tp2"], ["--checkpoint-dir", str(ck)], "already holds checkpoints"),      # no --resume: no overwrite
+        (PLANS["dp2_tp2"], ["--checkpoint-dir", str(ck), "--resume", "--steps", "6"], "leaves nothing to train"),
+        (PLANS["dp2_tp2"], ["--lr", "-1"], "learning rate is -1"),
+    ]
+    for plan, args, says in cases:
+        code, text = plan_run(tmp_path, plan, *args)
+        assert code == 2, (args, text)
+        assert says in " ".join(text.split()) and "Traceback" not in text, (args, text)
+        assert " ".join(text.split()).count(". ") == 0, text      # one sentence
+    assert listing(ck) == before
+    assert not (tmp_path / "r.json").exists()
+
+
+# -- data ----------------------------------------------------------------------------------
+
+DATA_PLAN = make_plan(DATA_MODEL, pp=2, dp=2, b=2, m=2, n_layers=4, optimizer=OptimizerConfig(name="momentum", lr=0.05))
+
+
+@pytest.fixture(scope="module")
+def data_runs(tmp_path_factory) -> list[tuple[dict, dict[int, list[int]]]]:
+    """Two runs of a pp2 x dp2 plan on the dataset with the same seed: run.json and each rank's reads."""
+    out = []
+    for k in range(2):
+        tmp = tmp_path_factory.mktemp(f"data{k}")
+        reads = tmp / "reads"
+        reads.mkdir()
+        run = launch(tmp, "data", "--steps", "4", plan=DATA_PLAN, env={**ENV, "READS_DIR": str(reads)})
+        out.append((run, {int(f.stem.removeprefix("rank")): [int(x) for x in f.read_text().split()]
+                          for f in reads.glob("rank*.txt")}))
+    return out
+
+
+def test_each_rank_reads_only_its_samples(data_runs):
+    run, reads = data_runs[0]
+    spec = load_spec(DATA_PLAN.model)
+    order = DatasetBatches(spec.dataset(), spec, DATA_PLAN)
+    assert sorted(reads) == [0, 1, 2, 3]                          # every rank read; nothing else did
+    for rank, got in reads.items():
+        dp_rank = rank % 2                                        # mesh (pp, dp, tp): rank = pp*2 + dp
+        want = [i for step in range(4) for i in order.indices(step, dp_rank)]
+        assert got == want, rank                                  # its own rows, each once, in order
+    for step in range(4):                                         # the two dp ranks split each step's batch
+        a, b = order.indices(step, 0), order.indices(step, 1)
+        assert not set(a) & set(b) and len(a) == len(b) == 4
+    # 16 positions of a 40-sample dataset per 4 steps: the first permutation is a permutation.
+    assert sorted(order.index(q) for q in range(40)) == list(range(40))
+
+
+def test_same_seed_same_batches_and_one_process_losses(data_runs):
+    (run_a, reads_a), (run_b, reads_b) = data_runs
+    assert reads_a == reads_b
+    assert run_a["losses"] == run_b["losses"]
+    ref_losses, _ = train_reference(load_spec(DATA_PLAN.model), DATA_PLAN, 4, TrainConfig(**SETTINGS))
+    torch.testing.assert_close(torch.tensor(run_a["losses"], dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+def test_another_seed_reads_other_samples():
+    spec = load_spec(DATA_PLAN.model)
+    other = make_plan(DATA_MODEL, pp=2, dp=2, b=2, m=2, n_layers=4, seed=1)
+    a, b = batch_source(spec, DATA_PLAN), batch_source(spec, other)
+    assert a.indices(0, 0) != b.indices(0, 0)
+
+
+def test_a_dataset_of_the_wrong_shape_is_refused(tmp_path):
+    bad = tmp_path / "bad_data.py"
+    bad.write_text(DATA_MODEL.read_text().replace("torch.randn(D_IN, generator", "torch.randn(D_IN + 1, generator"))
+    plan = make_plan(bad, dp=2, b=2, n_layers=4)
+    code, text = plan_run(tmp_path, plan)
+    assert code == 2, text
+    assert "gives a float32 tensor of shape (9,) as its input, but make_batch's rows are float32 of shape (8,)" in " ".join(text.split())
+    assert "Traceback" not in text and not (tmp_path / "r.json").exists()
