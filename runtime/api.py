@@ -156,7 +156,8 @@ class ParallelModel:
         grads = [p.grad for p in self.optimizer.params if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
-            pieces = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_shard()) if isinstance(g, DTensor) else 1
+            # not is_replicate(): FSDP2 over TP shards a second time as _StridedShard, for which is_shard() is False
+            pieces = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate()) if isinstance(g, DTensor) else 1
             total += local(g).detach().to(self.device, torch.float64).pow(2).sum() / (holders // pieces)
         dist.all_reduce(total)
         norm = float(total.sqrt())

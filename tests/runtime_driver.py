@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/runtime_driver.py DIR STEPS
 
 Trains every DIR/*.plan.json (each for N processes) for STEPS steps with the runtime's own
-Trainer and, on rank 0, writes DIR/<name>.result.pt: the global losses, the full final
+Trainer (with the training settings of DIR/<name>.config.json where there is one) and, on rank 0, writes DIR/<name>.result.pt: the global losses, the full final
 parameters (DTensors gathered with full_tensor, other pipeline stages' layers from their
 ranks) and every rank's report. One launch, one process group, many plans: a launch costs
 seconds here, a plan a fraction of that.
@@ -11,6 +11,7 @@ seconds here, a plan a fraction of that.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import load_plan
 from profiles.model_file import load_spec
 from runtime.api import ParallelModel, apply_plan
+from runtime.config import TrainConfig
 from runtime.data import batch_source
 from runtime.parallel_dims import ParallelDims
 from runtime.train import Trainer, build_model, reduce_losses
@@ -49,13 +51,15 @@ def main(directory: str, steps: int) -> None:
         if dims not in meshes:
             meshes[dims] = dims.build_mesh("cpu")
         parallel = apply_plan(build_model(spec, plan), plan, spec.loss_fn, spec.tp_plan, mesh=meshes[dims])
-        local_losses, report = Trainer(parallel, batch_source(spec, plan)).train(steps)
+        name = plan_path.name.removesuffix(".plan.json")
+        settings = Path(directory) / f"{name}.config.json"
+        config = TrainConfig.from_json(json.loads(settings.read_text())) if settings.exists() else None
+        local_losses, report = Trainer(parallel, batch_source(spec, plan), config).train(steps)
         losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
         state = full_state(parallel)
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, asdict(report))
         if dist.get_rank() == 0:
-            name = plan_path.name.removesuffix(".plan.json")
             torch.save({"losses": losses, "state": state, "reports": reports}, Path(directory) / f"{name}.result.pt")
     dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ import torch
 
 from planner.plan import OptimizerConfig
 from profiles.model_file import load_spec
+from runtime.config import TrainConfig
 from runtime.launch import build_command
 from runtime.reference import train_reference
 from runtime.sharded_optimizer import chunk_bounds
@@ -83,7 +85,14 @@ CASES = {
     "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
     "pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=ADAMW),
     "pp2_tp2": make_plan(pp=2, tp=2, m=2, schedule="gpipe", optimizer=SGD),
+    # gradient clipping by the global norm, with a warm-up and cosine schedule (CONFIGS)
+    "clip_offload_zero2": make_plan(dp=2, zero=2, offload={1}, optimizer=MOMENTUM),
+    "clip_dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
+    "clip_pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=MOMENTUM),
 }
+# gpt's gradient norm is ~0.6 on these steps: a limit of 0.2 scales every step's gradients.
+CLIPPED = TrainConfig(clip_grad_norm=0.2, lr_schedule="cosine", warmup_steps=1)
+CONFIGS = {name: CLIPPED for name in CASES if name.startswith("clip_")}
 
 
 # One intra-op thread per process, as torchrun gives several: on a 2-core machine another
@@ -116,6 +125,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
         d.mkdir()
         for name in names:
             CASES[name].save(d / f"{name}.plan.json")
+            if name in CONFIGS:
+                (d / f"{name}.config.json").write_text(json.dumps(CONFIGS[name].to_json()))
         proc = subprocess.run(torchrun(world, str(DRIVER), str(d), str(STEPS)), capture_output=True, text=True, timeout=300, env=ENV)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {name: torch.load(root / f"world{CASES[name].world_size}" / f"{name}.result.pt") for name in CASES}
@@ -129,7 +140,7 @@ def references() -> dict:
         if name not in cache:
             plan = CASES[name]
             with one_thread():
-                cache[name] = train_reference(load_spec(plan.model), plan, STEPS)
+                cache[name] = train_reference(load_spec(plan.model), plan, STEPS, CONFIGS.get(name))
         return cache[name]
     return get
 
@@ -157,6 +168,14 @@ def test_plan_matches_single_process(name, results, references):
     if is_adam(CASES[name]) and CASES[name].precision == "fp32":
         noisy = sum(int((~torch.isclose(got["state"][k], ref, **FP32_TOL)).sum()) for k, ref in ref_state.items())
         assert noisy <= ADAM_NOISY_FRACTION * sum(ref.numel() for ref in ref_state.values())
+
+
+def test_clipping_bites_in_the_clipped_cases(references):
+    """Without clipping the reference ends elsewhere: the clipped cases test the clipping."""
+    plan = CASES["clip_dp2_tp2"]
+    _, unclipped = train_reference(load_spec(plan.model), plan, STEPS, replace(CLIPPED, clip_grad_norm=0.0))
+    _, clipped = references("clip_dp2_tp2")
+    assert any(not torch.allclose(clipped[k], t, **FP32_TOL) for k, t in unclipped.items())
 
 
 def test_reports_cover_every_rank(results):
