@@ -472,14 +472,28 @@ def run(
     env = {**os.environ}
     if plan.device_type == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(plan.threads))
-    code, signal_name = run_torchrun(cmd, env)
+    code, signal_name, failure = run_torchrun(cmd, env)
     if signal_name:
-        err.print(f"interrupted ({signal_name}): stopped torchrun and its {plan.world_size // nnodes} ranks.", highlight=False)
+        err.print(f"interrupted ({signal_name}): stopped torchrun and its {plan.world_size // nnodes} ranks"
+                  f"{escape(latest_checkpoint_words(checkpoint_dir))}.", highlight=False)
         raise typer.Exit(130 if signal_name == "SIGINT" else 143)
     if code:
-        err.print(f"[bold red]error:[/] the run failed (torchrun exit code {code}); the ranks' messages are above.",
-                  highlight=False)
+        what = escape(failure) if failure else f"the run failed (torchrun exit code {code})"
+        retried = f" (after {max_restarts} restart{'s' if max_restarts > 1 else ''})" if max_restarts else ""
+        err.print(f"[bold red]error:[/] {what}{retried}, so every rank stopped{escape(latest_checkpoint_words(checkpoint_dir))}; "
+                  "the ranks' messages are above.", highlight=False)
         raise typer.Exit(code if 0 < code < 128 else 1)
+
+
+def latest_checkpoint_words(checkpoint_dir: Path | None) -> str:
+    """ "; the latest complete checkpoint is D/step-N (continue with --resume)", or "" when there is none."""
+    if checkpoint_dir is None:
+        return ""
+    from runtime.checkpoint import complete_checkpoints
+    found = complete_checkpoints(checkpoint_dir)
+    if not found:
+        return "; no checkpoint was completed"
+    return f"; the latest complete checkpoint is {found[-1]} (continue with --resume)"
 
 
 def check_run_inputs(plan, runtime_argv: list[str]) -> None:

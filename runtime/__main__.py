@@ -39,6 +39,7 @@ from .train import Checkpointing, StepLog, Trainer, build_model, reduce_losses
 
 
 EXIT_TIMEOUT = 4
+EXIT_PEER_LOST = 5
 
 
 class RunError(Exception):
@@ -151,6 +152,14 @@ def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def is_peer_lost(e: BaseException) -> bool:
+    """Whether a collective failed because another rank's process went away (gloo's "Connection
+    reset by peer" / "Connection closed by peer", NCCL's remote errors)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("connection reset by peer" in text or "connection closed by peer" in text
+                                            or "remote process exited" in text)
+
+
 def is_timeout(e: BaseException) -> bool:
     """Whether a collective gave up waiting (gloo: "Timed out waiting ...", NCCL's watchdog: "Timeout")."""
     text = str(e).lower()
@@ -254,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from)
     except ModelFileError as e:          # the dataset's samples, read during the run
         refuse(str(e))
-    except Exception as e:  # noqa: BLE001 - a hang elsewhere is expected input; anything else is a bug
+    except Exception as e:  # noqa: BLE001 - a hang or a lost rank is expected; anything else is a bug
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        if is_peer_lost(e):
+            print(f"rank {rank}: lost the connection to another rank (it stopped or crashed), so the run stops.",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
         if not is_timeout(e):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
         print(timeout_sentence(rank, args.timeout, record), file=sys.stderr, flush=True)
         os._exit(EXIT_TIMEOUT)
 
@@ -272,7 +285,8 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
     if resume_from is not None:
         checkpoint.load(parallel, resume_from)
         if dist.get_rank() == 0:
-            print(f"resumed from {resume_from} (after step {start})", flush=True)
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            print(f"{f'restart {restart}: ' if restart else ''}resumed from {resume_from} (after step {start})", flush=True)
             saved, now = checkpoint.read_info(resume_from).config, config.to_json()
             if saved != now:
                 changed = ", ".join(k for k in now if saved.get(k) != now[k])

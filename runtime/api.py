@@ -49,14 +49,25 @@ WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 def init_distributed(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """The default process group for the plan's device: NCCL on CUDA (one GPU per local rank), else gloo."""
+    """The default process group for the plan's device: NCCL on CUDA (one GPU per local rank), else gloo.
+
+    Its keys live in torchrun's store under a prefix of the restart count: after a restart
+    (--max-restarts) the store still holds the failed attempt's addresses under torch's own
+    keys, and a rank that read them would connect to a process that is gone (measured: gloo's
+    "connectFullMesh failed ... Connection refused" on every restart here).
+    """
     timeout = timedelta(seconds=timeout_s)
+    store = {}
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        store = {"store": dist.PrefixStore(f"plan/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", client),
+                 "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     if plan.device_type == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout, **store)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **store)
 
 
 def clean_name(name: str) -> str:

@@ -91,6 +91,8 @@ _BANNER = re.compile(r"^(\*+|Setting OMP_NUM_THREADS environment variable .*)$")
 _AGENT_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/(elastic|run)")
 _AGENT_ERRORS = ("ChildFailedError", "SignalException")
 _PROFILER_LOG = re.compile(r"USDT:.*ActivityProfilerHandler")   # kineto's start/stop lines (torch.profiler)
+_REPORT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_REPORT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?:.*\((SIG[A-Z]+)\))?")
 
 
 class TorchrunOutput:
@@ -102,10 +104,16 @@ class TorchrunOutput:
         self.traceback: list[str] | None = None   # a traceback of torchrun's, held until its last line says whose
         self.done = False                        # past torchrun's failure report: nothing more to show
         self.seen: set[str] = set()
+        self.in_root_cause = False
+        self.failed_rank: int | None = None      # the report's root cause: the first rank that failed
+        self.failed_how: str | None = None       # "was killed by SIGKILL", "exited with code 1"
 
     def feed(self, line: str) -> None:
         text = line.rstrip("\n")
-        if self.done or _BANNER.match(text) or _AGENT_LOG.match(text) or _PROFILER_LOG.search(text):
+        if self.done:
+            self._read_failure_report(text)
+            return
+        if _BANNER.match(text) or _AGENT_LOG.match(text) or _PROFILER_LOG.search(text):
             return
         if self.traceback is not None:
             self.traceback.append(line)
@@ -124,6 +132,23 @@ class TorchrunOutput:
             return
         self.seen.add(text)
         self.write(line)
+
+    def _read_failure_report(self, text: str) -> None:
+        """torchrun's report names the root cause: `rank : 1 (local_rank: 1)`, `exitcode : -9 (pid: 5)  (SIGKILL)`."""
+        if text.startswith("Root Cause"):
+            self.in_root_cause = True
+        elif self.in_root_cause and (m := _REPORT_RANK.match(text)):
+            self.failed_rank = int(m.group(1))
+        elif self.in_root_cause and (m := _REPORT_EXIT.match(text)):
+            code, name = int(m.group(1)), m.group(2)
+            self.failed_how = f"was killed by {name or f'signal {-code}'}" if code < 0 else f"exited with code {code}"
+            self.in_root_cause = False
+
+    def failure(self) -> str | None:
+        """"rank 1 was killed by SIGKILL", when torchrun's report said so."""
+        if self.failed_rank is None or self.failed_how is None:
+            return None
+        return f"rank {self.failed_rank} {self.failed_how}"
 
 
 def descendants(pid: int) -> list[int]:
@@ -145,10 +170,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], grace_s: float = 15.0) -> tuple[int, str | None]:
+def run_torchrun(cmd: list[str], env: dict[str, str], grace_s: float = 15.0) -> tuple[int, str | None, str | None]:
     """Run torchrun, pass its output on (filtered), and on SIGINT / SIGTERM stop it and every
     rank: torchrun is told to (it stops its ranks), and whatever is left after `grace_s` is
-    killed. Returns (exit code, the signal's name or None)."""
+    killed. Returns (exit code, the signal's name or None, which rank failed how or None)."""
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1,
                             start_new_session=True)   # a terminal's Ctrl-C reaches this process only
     out = TorchrunOutput(lambda line: (sys.stderr.write(line), sys.stderr.flush()))
@@ -183,4 +208,4 @@ def run_torchrun(cmd: list[str], env: dict[str, str], grace_s: float = 15.0) -> 
         for s, handler in previous.items():
             signal.signal(s, handler)
     relay.join(timeout=5)
-    return proc.returncode, (signal.Signals(received[0]).name if received else None)
+    return proc.returncode, (signal.Signals(received[0]).name if received else None), out.failure()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,98 @@ def test_a_dataset_of_the_wrong_shape_is_refused(tmp_path):
     assert code == 2, text
     assert "gives a float32 tensor of shape (9,) as its input, but make_batch's rows are float32 of shape (8,)" in " ".join(text.split())
     assert "Traceback" not in text and not (tmp_path / "r.json").exists()
+
+
+# -- your own loop ---------------------------------------------------------------------------
+
+def test_own_loop_example_matches_one_process(tmp_path):
+    """examples/own_loop.py under torchrun (pp 2, 1F1B, AdamW, its own data, schedule and
+    clipping) trains to the losses of the same loop in one process, and resumes from its checkpoint."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("own_loop", ROOT / "examples" / "own_loop.py")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        loop = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loop)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    plan = make_plan(pp=2, m=2, optimizer=ADAMW)
+    plan.save(tmp_path / "plan.json")
+    script = [str(ROOT / "examples" / "own_loop.py"), str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "ck")]
+    for args in (["--steps", "3"], ["--steps", "5", "--resume"]):
+        out = tmp_path / f"losses{args[1]}.txt"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               *script, *args, "--losses", str(out)], capture_output=True, text=True, timeout=180, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [float(x) for f in ("losses3.txt", "losses5.txt") for x in (tmp_path / f).read_text().split()]
+
+    torch.manual_seed(plan.seed)
+    model = loop.gpt.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    want = []
+    for step in range(5):
+        inputs, targets = loop.my_batches(step, 0, plan.global_batch, 1)
+        loss = loop.gpt.loss_fn(model(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in optimizer.param_groups:
+            group["lr"] = loop.lr_at(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **OTHER_PLAN_TOL)
+
+
+# -- faults --------------------------------------------------------------------------------
+
+KILLED_MODEL_TAIL = '''
+
+import os as _os
+import signal as _signal
+import time as _time
+
+_make_batch = make_batch
+
+
+def make_batch(batch_size):
+    """Rank 1 of the first attempt kills itself (SIGKILL) once the checkpoint $KILL_AFTER is complete."""
+    if (_os.environ.get("RANK") == "1" and _os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+            and _os.path.isfile(_os.path.join(_os.environ.get("KILL_AFTER", "/nonexistent"), "checkpoint.json"))):
+        with open(_os.environ["KILL_AFTER"] + ".killed-at", "w") as f:
+            f.write(repr(_time.time()))
+        _os.kill(_os.getpid(), _signal.SIGKILL)
+    return _make_batch(batch_size)
+'''
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_killed_rank(runs, tmp_path, restarts):
+    """SIGKILL of rank 1 after the step-2 checkpoint: without restarts the launch ends within
+    30 s in one sentence naming the rank and that checkpoint; with --max-restarts 1 every rank
+    restarts, resumes from it and ends with the uninterrupted run's losses."""
+    import time
+    model = tmp_path / "gpt_killed.py"
+    model.write_text((ROOT / "examples" / "gpt.py").read_text() + KILLED_MODEL_TAIL)
+    plan = make_plan(model, pp=2, dp=2, zero=1, m=2, optimizer=ADAMW, n_layers=6)    # PLANS["pp2_dp2"] on the same gpt
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    args = ["--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--out", str(tmp_path / "run.json"),
+            *train_args(**SETTINGS), *(["--max-restarts", str(restarts)] if restarts else [])]
+    env = {**ENV, "KILL_AFTER": str(ck / "step-00000002"), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-c", "from cli import app; app()", "run", str(tmp_path / "plan.json"), *args],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    ended = time.time()
+    killed = float((ck / "step-00000002.killed-at").read_text())
+    text = " ".join((proc.stdout + proc.stderr).split())
+    if not restarts:
+        assert proc.returncode != 0 and ended - killed < 30, (ended - killed, text[-2000:])
+        assert "error: rank 1 was killed by SIGKILL, so every rank stopped; the latest complete checkpoint is" in text, text[-2000:]
+        assert "step-00000002 (continue with --resume)" in text and "Traceback" not in text
+        assert not (tmp_path / "run.json").exists()
+        return
+    assert proc.returncode == 0, text[-3000:]
+    assert "restart 1: resumed from" in text
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["first_step"] == 2
+    whole = runs["pp2_dp2"]["whole"]["losses"]
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(whole[2:]), **SAME_PLAN_TOL)
