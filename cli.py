@@ -428,7 +428,7 @@ def run(
 
     from planner.plan import load_plan
     from runtime.config import train_args
-    from runtime.launch import build_command, run_torchrun, slurm_script
+    from runtime.launch import STOP_GRACE_S, STOP_SAVE_GRACE_S, build_command, run_torchrun, slurm_script
     if steps is not None and steps < 1:
         fail(f"--steps is {steps}; give 1 or more.")
     if not timeout > 0:
@@ -472,7 +472,12 @@ def run(
     env = {**os.environ}
     if plan.device_type == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(plan.threads))
-    code, signal_name, failure = run_torchrun(cmd, env)
+    grace = STOP_GRACE_S
+    if checkpoint_dir:
+        # Ctrl-C: the ranks end their step and write a checkpoint; torchrun waits that long too.
+        grace = STOP_SAVE_GRACE_S
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(grace)))
+    code, signal_name, failure = run_torchrun(cmd, env, grace_s=grace + 5)
     if signal_name:
         err.print(f"interrupted ({signal_name}): stopped torchrun and its {plan.world_size // nnodes} ranks"
                   f"{escape(latest_checkpoint_words(checkpoint_dir))}.", highlight=False)

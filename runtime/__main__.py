@@ -35,7 +35,7 @@ from .config import ConfigError, TrainConfig, add_train_args, load_config
 from .data import batch_source, sample_shapes
 from .launch import DEFAULT_TIMEOUT_S
 from .pipeline import schedule_problem
-from .train import Checkpointing, StepLog, Trainer, build_model, reduce_losses
+from .train import Checkpointing, StepLog, Stopped, Trainer, build_model, reduce_losses
 
 
 EXIT_TIMEOUT = 4
@@ -263,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from)
     except ModelFileError as e:          # the dataset's samples, read during the run
         refuse(str(e))
+    except Stopped as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            # stderr: plan run, which stopped the ranks, says it once itself (and hides this)
+            print(f"{e.signal_name}: stopped after step {e.step}; saved {e.saved} (continue with --resume).", file=sys.stderr, flush=True)
+        os._exit(130 if e.signal_name == "SIGINT" else 143)
     except Exception as e:  # noqa: BLE001 - a hang or a lost rank is expected; anything else is a bug
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
         if is_peer_lost(e):

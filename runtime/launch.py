@@ -14,6 +14,10 @@ from pathlib import Path
 
 
 DEFAULT_TIMEOUT_S = 300.0   # a collective's wait for the other ranks (torch's default, 30 min, hides a hang)
+# How long stopped ranks (Ctrl-C) may take to finish their step and write a checkpoint, when
+# they write checkpoints, before they are killed; without checkpoints, STOP_GRACE_S.
+STOP_GRACE_S = 15.0
+STOP_SAVE_GRACE_S = 120.0
 
 
 def build_command(plan_path: str | Path, plan, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
@@ -170,7 +174,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], grace_s: float = 15.0) -> tuple[int, str | None, str | None]:
+def run_torchrun(cmd: list[str], env: dict[str, str], grace_s: float = STOP_GRACE_S) -> tuple[int, str | None, str | None]:
     """Run torchrun, pass its output on (filtered), and on SIGINT / SIGTERM stop it and every
     rank: torchrun is told to (it stops its ranks), and whatever is left after `grace_s` is
     killed. Returns (exit code, the signal's name or None, which rank failed how or None)."""

@@ -3,7 +3,8 @@ checkpoints and measures.
 
 Each step t seeds torch's RNG with seed + 1 + t, takes this dp rank's rows (runtime/data.py),
 sets the learning rate of step t (runtime/config.py) and runs ParallelModel.train_step; every
-`checkpoint_every` steps, and after the last, it writes a checkpoint (runtime/checkpoint.py).
+`checkpoint_every` steps, and after the last, it writes a checkpoint (runtime/checkpoint.py);
+with checkpoints on, SIGINT / SIGTERM stops it at the end of a step with a checkpoint (Stopped).
 
 Measurements count from the launch's first step (a resumed run measures its own steps). Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
@@ -15,6 +16,7 @@ so it is left out of the median.
 from __future__ import annotations
 
 import contextlib
+import signal
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -108,6 +110,35 @@ class Checkpointing:
         return done == steps or (self.every > 0 and done % self.every == 0)
 
 
+class Stopped(Exception):
+    """Training stopped on a signal after `step` steps, with a checkpoint of them at `saved`."""
+
+    def __init__(self, step: int, signal_name: str, saved: Path):
+        super().__init__(f"stopped by {signal_name} after step {step}")
+        self.step, self.signal_name, self.saved = step, signal_name, saved
+
+
+class StopRequests:
+    """SIGINT / SIGTERM (Ctrl-C, or torchrun stopping its ranks) asks the run to stop at the end
+    of a step. The ranks agree on that step with one all-reduce per step (each may see the
+    signal during a different step), so they all write the same checkpoint, then stop."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1 if self.signal_name else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not self.signal_name:
+            self.signal_name = "SIGTERM"          # another rank's signal
+        return bool(flag.item())
+
+
 class Trainer:
     """Trains a ParallelModel on a batch source and measures the run."""
 
@@ -117,6 +148,8 @@ class Trainer:
         self.config = config or TrainConfig()
         self.checkpoints = checkpoints
         self.saved: Path | None = None          # the latest checkpoint this run wrote
+        # With checkpoints on, a signal stops the run at a step's end with a checkpoint.
+        self.stops = StopRequests() if checkpoints else None
 
     def log_due(self, done: int, start: int, steps: int) -> bool:
         every = self.config.log_every or max(1, (steps - start) // 20)
@@ -156,8 +189,13 @@ class Trainer:
             losses.append(float(loss) if loss is not None else 0.0)
             if on_step and logs:
                 on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, p.grad_norm))
-            if self.checkpoints and self.checkpoints.due(step + 1, steps):
+            due = self.checkpoints and self.checkpoints.due(step + 1, steps)
+            if due:
                 self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
+            if self.stops and step + 1 < steps and self.stops.agreed(p.device):
+                if not due:
+                    self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
+                raise Stopped(step + 1, self.stops.signal_name, self.saved)
         if p.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(p.device)
         timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times

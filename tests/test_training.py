@@ -326,3 +326,32 @@ def test_a_killed_rank(runs, tmp_path, restarts):
     assert run["first_step"] == 2
     whole = runs["pp2_dp2"]["whole"]["losses"]
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(whole[2:]), **SAME_PLAN_TOL)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    """SIGINT to plan run with checkpoints on: the ranks finish their step, agree on it, write
+    a checkpoint of it and stop; one line, exit 130, and the checkpoint resumes."""
+    import signal
+    import time
+    plan = make_plan(pp=2, m=2, optimizer=ADAMW)
+    plan.save(tmp_path / "plan.json")
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-c", "from cli import app; app()", "run", str(tmp_path / "plan.json"), "--steps", "100000",
+           "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--out", str(tmp_path / "never.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "COLUMNS": "200"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (ck / "step-00000005").is_dir() and time.monotonic() < deadline:   # training is under way
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stdout + stderr
+    said = [line for line in stderr.splitlines() if line.strip()]
+    assert len(said) <= 2 and "interrupted (SIGINT)" in said[0], stderr     # one sentence (rich may fold it in two)
+    from runtime.checkpoint import complete_checkpoints, read_info
+    latest = complete_checkpoints(ck)[-1]
+    assert f"the latest complete checkpoint is {latest}" in " ".join(stderr.split())
+    assert not list(ck.glob("*.partial")) and not (tmp_path / "never.json").exists()
+    step = read_info(latest).step
+    again = launch(tmp_path, "again", "--steps", str(step + 2), "--checkpoint-dir", str(ck), "--resume", plan=plan)
+    assert again["first_step"] == step and len(again["losses"]) == 2
