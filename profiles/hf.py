@@ -421,6 +421,16 @@ def adapt(model: nn.Module) -> nn.Sequential:
     return nn.Sequential(first, *layers, NormHead(norm, model.lm_head))
 
 
+def hf_parameter_names(config) -> dict[str, str]:
+    """Each parameter's name in the adapted layer stack -> its name in the Transformers model
+    (as save_pretrained writes it): "3.self_attn.q_proj.weight" -> "model.layers.2.self_attn.q_proj.weight".
+    Read off the modules themselves (adapt takes the model's own), built on the meta device."""
+    with torch.device("meta"), _no_init_weights():
+        model = _transformers().AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {n: names[id(p)] for n, p in adapt(model).named_parameters()}
+
+
 def translate_tp_plan(base_plan: dict | None) -> dict[str, str]:
     """The config's base_model_tp_plan in the adapted layers' names and the project's styles."""
     out = {}
@@ -466,4 +476,5 @@ def load_hf_spec(arg: str, seq_len: int | None = None) -> ModelSpec:
     heads = [getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)]
     return ModelSpec(path=str(arg), sha256=config_sha256(d, seq_len), build_model=build_model, make_batch=make_batch,
                      loss_fn=default_loss_fn, tp_plan=tp_plan, source=SOURCE, name=name, seq_len=seq_len,
-                     tp_divides=sorted({h for h in heads if isinstance(h, int) and h > 0}))
+                     tp_divides=sorted({h for h in heads if isinstance(h, int) and h > 0}),
+                     weight_names=lambda: hf_parameter_names(config))

@@ -47,6 +47,7 @@ class ModelSpec:
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_divides: list[int] = field(default_factory=list)   # a tensor-parallel degree must divide each (e.g. head counts)
     dataset: Callable | None = None    # dataset() -> map-style dataset of (input, target) samples; None: make_batch's
+    weight_names: Callable[[], dict[str, str]] | None = None   # our parameter name -> the name in saved weights (Hugging Face)
     # Filled by adapters (Hugging Face): what the model is, for the profile header.
     source: str = "file"
     name: str = ""

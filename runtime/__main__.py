@@ -36,6 +36,7 @@ from .data import batch_source, sample_shapes
 from .launch import DEFAULT_TIMEOUT_S
 from .pipeline import schedule_problem
 from .train import Checkpointing, StepLog, Stopped, Trainer, build_model, reduce_losses
+from .weights import WeightsError, load_weights, weight_sources
 
 
 EXIT_TIMEOUT = 4
@@ -46,7 +47,7 @@ class RunError(Exception):
     """A plan this launch cannot run; the message is one sentence with the fix."""
 
 
-RUN_ERRORS = (PlanError, RunError, ModelFileError, ConfigError, CheckpointError)   # each a sentence with the fix
+RUN_ERRORS = (PlanError, RunError, ModelFileError, ConfigError, CheckpointError, WeightsError)   # each a sentence with the fix
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", help="write checkpoints (torch.distributed.checkpoint) into this folder")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also write one every N steps (0: after the last only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--init-from", help="start from a Hugging Face model's weights in this folder (safetensors)")
     add_train_args(p)
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -81,7 +83,10 @@ def check_run_settings(args: argparse.Namespace, plan: Plan, spec: ModelSpec, sh
     config = train_config(args)
     source = batch_source(spec, plan, check=check_data)
     start, resume_from = resume_point(args, plan, shapes)
-    return config, source, start, resume_from
+    if args.init_from and args.resume:
+        raise RunError("--init-from and --resume both say where the weights come from; pass one of them.")
+    sources = weight_sources(spec, args.init_from, shapes) if args.init_from and resume_from is None else None
+    return config, source, start, resume_from, sources
 
 
 def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[int, Path | None]:
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan, spec, model = load_run_inputs(args.plan)
         shapes = checkpoint.model_shapes(model)
-        config, source, start, resume_from = check_run_settings(args, plan, spec, shapes)
+        config, source, start, resume_from, weights = check_run_settings(args, plan, spec, shapes)
     except RUN_ERRORS as e:
         refuse(str(e))
     info = CheckpointInfo(step=0, model=spec.name, params=shapes, optimizer=plan.optimizer.name,
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = Checkpointing(Path(args.checkpoint_dir), args.checkpoint_every, info) if args.checkpoint_dir else None
     record = StepRecord(plan.world_size)
     try:
-        return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from)
+        return train_and_report(args, plan, spec, model, record, source, config, checkpoints, start, resume_from, weights)
     except ModelFileError as e:          # the dataset's samples, read during the run
         refuse(str(e))
     except Stopped as e:
@@ -282,11 +287,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, model: torch.nn.Sequential,
                      record: StepRecord, source, config: TrainConfig, checkpoints: Checkpointing | None,
-                     start: int, resume_from: Path | None) -> int:
+                     start: int, resume_from: Path | None, weights: dict[str, str] | None) -> int:
     init_distributed(plan, args.timeout)
     parallel = apply_plan(model, plan, spec.loss_fn, spec.tp_plan)
     del model  # the layers of other stages go with it
     trainer = Trainer(parallel, source, config, checkpoints)
+    if weights is not None:
+        load_weights(parallel.named_parameters(), args.init_from, weights)
+        if dist.get_rank() == 0:
+            print(f"weights from {args.init_from}", flush=True)
     if resume_from is not None:
         checkpoint.load(parallel, resume_from)
         if dist.get_rank() == 0:

@@ -31,7 +31,7 @@ from runtime.data import DatasetBatches, batch_source
 from runtime.launch import build_command
 from runtime.reference import train_reference
 
-from runtime_cases import ROOT, make_plan
+from runtime_cases import GPT, ROOT, make_plan
 
 SAME_PLAN_TOL = {"rtol": 1e-6, "atol": 1e-8}
 OTHER_PLAN_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -355,3 +355,77 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     step = read_info(latest).step
     again = launch(tmp_path, "again", "--steps", str(step + 2), "--checkpoint-dir", str(ck), "--resume", plan=plan)
     assert again["first_step"] == step and len(again["losses"]) == 2
+
+
+# -- weights in ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> Path:
+    """The tiny Llama of examples/hf-llama-tiny, random weights saved by transformers (safetensors)."""
+    import transformers
+
+    from profiles.hf import make_config, read_config
+    folder = tmp_path_factory.mktemp("weights") / "tiny-llama"
+    _, d = read_config(str(ROOT / "examples" / "hf-llama-tiny"))
+    torch.manual_seed(7)                                  # not the plan's seed: the weights must come from the files
+    transformers.AutoModelForCausalLM.from_config(make_config(d), attn_implementation="sdpa").save_pretrained(folder)
+    assert (folder / "model.safetensors").is_file()
+    return folder
+
+
+def hf_plan(folder: Path, **kw):
+    from profiles.hf import load_hf_spec
+    spec = load_hf_spec(str(folder), 32)
+    plan = make_plan(GPT, n_layers=6, **kw)
+    plan.model = {"path": str(folder), "sha256": spec.sha256, "source": "hf-config", "name": spec.name, "seq_len": 32}
+    return plan, spec
+
+
+def test_loaded_weights_give_transformers_logits(saved_llama):
+    """One process: the adapted model with the folder's weights computes from_pretrained's logits."""
+    import transformers
+
+    from runtime.checkpoint import model_shapes
+    from runtime.weights import load_weights, weight_sources
+    _, spec = hf_plan(saved_llama)
+    model = spec.build_model()
+    load_weights(dict(model.named_parameters()), saved_llama, weight_sources(spec, saved_llama, model_shapes(model)))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, attn_implementation="sdpa")
+    ids = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_under_tensor_parallelism(saved_llama, tmp_path):
+    """tp 2 x dp 2, each rank reading its shards: the first step's loss is from_pretrained's on that batch."""
+    import transformers
+
+    from runtime.data import global_batch
+    plan, spec = hf_plan(saved_llama, dp=2, tp=2, zero=3, b=2, optimizer=ADAMW)
+    run = launch(tmp_path, "init", "--steps", "2", "--init-from", str(saved_llama), plan=plan)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, attn_implementation="sdpa")
+    inputs, targets = global_batch(spec, plan, 0)
+    with torch.no_grad():
+        want = spec.loss_fn(reference(inputs).logits, targets).item()
+    assert run["losses"][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_weights_of_another_shape_are_refused(saved_llama, tmp_path):
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(saved_llama, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))   # the profiled model is narrower
+    plan, _ = hf_plan(other, dp=2, b=2)
+    code, text = plan_run(tmp_path, plan, "--init-from", str(other))
+    assert code == 2 and "model.layers.0.mlp.gate_proj.weight in" in text and "has shape (384, 128) but the model's is (256, 128)" in " ".join(text.split()), text
+    code, text = plan_run(tmp_path, make_plan(GPT, dp=2), "--init-from", str(saved_llama))
+    assert code == 2 and "is a model file" in text, text
+
+
+def test_the_text_example_learns(tmp_path):
+    """examples/bytes.py (gpt on the repository's own text, byte tokens, read per dp rank): the loss falls."""
+    plan = make_plan(ROOT / "examples" / "bytes.py", dp=2, b=8, n_layers=6, optimizer=OptimizerConfig(name="adamw", lr=3e-3))
+    run = launch(tmp_path, "text", "--steps", "30", "--warmup-steps", "3", "--decay-steps", "30", plan=plan)
+    losses = run["losses"]
+    assert losses[0] > 6.0 and sum(losses[-5:]) / 5 < losses[0] - 2.0, losses
