@@ -414,6 +414,7 @@ def run(
     checkpoint_every: int = typer.Option(0, help="Also write a checkpoint every N steps (0: after the last only)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --checkpoint-dir (under this plan or another of the same model)."),
     init_from: Optional[Path] = typer.Option(None, help="Start from a Hugging Face model's weights in this local folder (what save_pretrained writes; safetensors), each rank reading only its shards."),
+    tensorboard: Optional[Path] = typer.Option(None, help="Also write the log lines' figures (loss, lr, grad norm, step time, tokens/s) as TensorBoard scalars into this folder (needs tensorboard)."),
     max_restarts: int = typer.Option(0, help="Restart every rank after a failure, up to this many times, resuming from the latest checkpoint (torchrun --max-restarts)."),
     config: Optional[Path] = typer.Option(None, help="A TOML file of the training settings below (flags win)."),
     lr: Optional[float] = typer.Option(None, help=TRAIN_HELP["lr"]),
@@ -445,6 +446,7 @@ def run(
         extra += ["--checkpoint-dir", str(checkpoint_dir)] + (["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])
     extra += ["--resume"] if resume else []
     extra += ["--init-from", str(init_from)] if init_from else []
+    extra += ["--tensorboard", str(tensorboard)] if tensorboard else []
     try:
         plan = load_plan(plan_path)
         if nnodes is not None and nnodes != plan.nodes:

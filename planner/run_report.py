@@ -51,6 +51,7 @@ class RunReport:
     global_batch: int = 0      # samples per step
     tokens_per_sample: int = 0  # token ids per input row (integer inputs); 0: the inputs are not tokens
     checkpoint: str = ""       # the last checkpoint this launch wrote ("" if none)
+    mfu: float = 0.0           # the plan's model FLOPs per step over the hardware's peak at the measured step (0: the plan predicts none)
     schema: int = RUN_SCHEMA_VERSION
     kind: str = "run"
 
@@ -85,6 +86,11 @@ class RunReport:
     def samples_per_s(self) -> float:
         return self.global_batch / self.step_s
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Input tokens a second (0 when the inputs are not token ids)."""
+        return self.samples_per_s * self.tokens_per_sample
+
     def validate(self) -> None:
         """Types and counts a reader relies on; a ValueError names the first that is wrong."""
         def whole(name, v, least=0):
@@ -97,6 +103,8 @@ class RunReport:
         whole("steps", self.steps, 1)
         for name in ("first_step", "global_batch", "tokens_per_sample"):
             whole(name, getattr(self, name))
+        if not isinstance(self.mfu, (int, float)) or isinstance(self.mfu, bool) or not 0 <= self.mfu:
+            raise ValueError(f"mfu is {self.mfu!r}")
         if not isinstance(self.checkpoint, str):
             raise ValueError(f"checkpoint is {self.checkpoint!r}, not text")
         if len(self.ranks) != self.world_size:

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="also write one every N steps (0: after the last only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
     p.add_argument("--init-from", help="start from a Hugging Face model's weights in this folder (safetensors)")
+    p.add_argument("--tensorboard", help="also write the log lines' figures as TensorBoard scalars into this folder")
     add_train_args(p)
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -86,6 +87,11 @@ def check_run_settings(args: argparse.Namespace, plan: Plan, spec: ModelSpec, sh
     if args.init_from and args.resume:
         raise RunError("--init-from and --resume both say where the weights come from; pass one of them.")
     sources = weight_sources(spec, args.init_from, shapes) if args.init_from and resume_from is None else None
+    if args.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
+        except ImportError:
+            raise RunError("--tensorboard needs the tensorboard package; `pip install tensorboard`, or drop the flag.") from None
     return config, source, start, resume_from, sources
 
 
@@ -177,9 +183,18 @@ def device_name(plan: Plan) -> str:
 
 def print_summary(run: RunReport) -> None:
     console = Console()
+    rate = f"{run.tokens_per_s:,.0f} tokens/s" if run.tokens_per_sample else f"{run.samples_per_s:,.1f} samples/s"
+    # On CPU processes the "peak" is a nominal figure of the preset: an MFU against it means nothing.
+    mfu = f", MFU {100 * run.mfu:.1f}%" if run.mfu and run.device != "cpu" else ""
     console.print(f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "
-                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}", highlight=False, markup=False)
+                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}, {rate}{mfu}", highlight=False, markup=False)
     console.print(run_table(run))
+
+
+def measured_mfu(plan: Plan, step_s: float) -> float:
+    """The plan's predicted MFU scaled to the measured step: the same FLOPs over the same peak."""
+    p = plan.predicted
+    return p.mfu * p.step_time_s / step_s if p is not None and p.step_time_s > 0 and step_s > 0 else 0.0
 
 
 class StepRecord:
@@ -226,12 +241,17 @@ def timeout_sentence(rank, timeout_s: float, record: StepRecord | None) -> str:
             "hangs), so the run stops; if steps really take that long, pass a larger --timeout.")
 
 
-def progress_printer(parallel, plan: Plan, tokens_per_sample: int):
+def progress_printer(parallel, plan: Plan, tokens_per_sample: int, tensorboard: str | None = None):
     """A log line on the steps that log (runtime.train.Trainer.log_due), from the rank that
-    holds the last stage for dp and tp rank 0: its loss is that replica's share of the batch."""
+    holds the last stage for dp and tp rank 0: its loss is that replica's share of the batch.
+    With `tensorboard` that rank also writes the line's figures there as scalars."""
     if not (parallel.has_last_stage and parallel.dp_rank == 0 and parallel.tp_rank == 0):
         return None
     console = Console(highlight=False)
+    writer = None
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(tensorboard)
 
     def on_step(log: StepLog) -> None:
         rate = plan.global_batch * (tokens_per_sample or 1) / log.seconds
@@ -240,7 +260,14 @@ def progress_printer(parallel, plan: Plan, tokens_per_sample: int):
             parts.append(f"grad norm {log.grad_norm:.3g}")
         parts += [f"{log.seconds:.3f} s", f"{rate:,.0f} {'tokens' if tokens_per_sample else 'samples'}/s"]
         if parallel.device.type == "cuda":
+            parts.append(f"MFU {100 * measured_mfu(plan, log.seconds):.1f}%")
             parts.append(f"peak {torch.cuda.max_memory_allocated(parallel.device) / 2**30:.2f} GiB")
+        if writer is not None:
+            for name, v in (("loss", log.loss), ("lr", log.lr), ("grad_norm", log.grad_norm), ("step_s", log.seconds),
+                            ("tokens_per_s" if tokens_per_sample else "samples_per_s", rate)):
+                if v is not None:
+                    writer.add_scalar(f"train/{name}", v, log.step)
+            writer.flush()
         console.print(", ".join(parts), markup=False, soft_wrap=True)
     return on_step
 
@@ -306,7 +333,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
                 changed = ", ".join(k for k in now if saved.get(k) != now[k])
                 print(f"note: the training settings differ from the checkpoint's ({changed}); the steps go on with the new ones.", flush=True)
     tokens = tokens_per_sample(spec)
-    printer = progress_printer(parallel, plan, tokens)
+    printer = progress_printer(parallel, plan, tokens, args.tensorboard)
 
     local_losses, report = trainer.train(args.steps, start, on_step=printer, on_start=lambda step: record.begun(step + 1))
     losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
@@ -317,6 +344,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
                         world_size=plan.world_size, steps=args.steps - start, losses=losses, device=device_name(plan),
                         torch_version=torch.__version__, ranks=reports, first_step=start, global_batch=plan.global_batch,
                         tokens_per_sample=tokens, checkpoint=str(trainer.saved or ""))
+        run.mfu = measured_mfu(plan, run.step_s)
         run.validate()                   # what verify will check: a bug here, not a bad run document
         run.save(args.out)
         print_summary(run)

@@ -429,3 +429,17 @@ def test_the_text_example_learns(tmp_path):
     run = launch(tmp_path, "text", "--steps", "30", "--warmup-steps", "3", "--decay-steps", "30", plan=plan)
     losses = run["losses"]
     assert losses[0] > 6.0 and sum(losses[-5:]) / 5 < losses[0] - 2.0, losses
+
+
+def test_tensorboard_log(tmp_path):
+    """With tensorboard installed, --tensorboard DIR gets the log lines' figures, one point per logged step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = tmp_path / "board"
+    run = launch(tmp_path, "board", "--steps", "4", "--log-every", "2", "--tensorboard", str(board), plan=make_plan(pp=2, m=2))
+    events = EventAccumulator(str(board))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [2, 4]
+    assert [e.value for e in loss] == pytest.approx([run["losses"][1], run["losses"][3]], rel=1e-5)   # pp 2, dp 1: the whole batch
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
