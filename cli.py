@@ -418,6 +418,11 @@ def run(
     max_restarts: int = typer.Option(0, help="Restart every rank after a failure, up to this many times, resuming from the latest checkpoint (torchrun --max-restarts)."),
     config: Optional[Path] = typer.Option(None, help="A TOML file of the training settings below (flags win)."),
     lr: Optional[float] = typer.Option(None, help=TRAIN_HELP["lr"]),
+    weight_decay: Optional[float] = typer.Option(None, help=TRAIN_HELP["weight_decay"]),
+    beta1: Optional[float] = typer.Option(None, help=TRAIN_HELP["beta1"]),
+    beta2: Optional[float] = typer.Option(None, help=TRAIN_HELP["beta2"]),
+    momentum: Optional[float] = typer.Option(None, help=TRAIN_HELP["momentum"]),
+    seed: Optional[int] = typer.Option(None, help=TRAIN_HELP["seed"]),
     lr_schedule: Optional[str] = typer.Option(None, help=TRAIN_HELP["lr_schedule"] + " [default: constant]"),
     warmup_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["warmup_steps"] + " [default: 0]"),
     decay_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["decay_steps"]),
@@ -440,7 +445,8 @@ def run(
         fail(f"--{'checkpoint-every' if checkpoint_every < 0 else 'max-restarts'} is negative; give 0 or more.")
     if max_restarts and not checkpoint_dir:
         fail("--max-restarts resumes from checkpoints; pass --checkpoint-dir too (and --checkpoint-every N to lose at most N steps).")
-    extra = train_args(config, lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, decay_steps=decay_steps,
+    extra = train_args(config, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2, momentum=momentum, seed=seed,
+                       lr_schedule=lr_schedule, warmup_steps=warmup_steps, decay_steps=decay_steps,
                        min_lr_ratio=min_lr_ratio, clip_grad_norm=clip_grad_norm, log_every=log_every)
     if checkpoint_dir:
         extra += ["--checkpoint-dir", str(checkpoint_dir)] + (["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])

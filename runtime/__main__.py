@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from . import checkpoint
 from .api import apply_plan, init_distributed
 from .checkpoint import CheckpointError, CheckpointInfo
 from .config import ConfigError, TrainConfig, add_train_args, load_config
-from .data import batch_source, sample_shapes
+from .data import batch_source
 from .launch import DEFAULT_TIMEOUT_S
 from .pipeline import schedule_problem
 from .train import Checkpointing, StepLog, Stopped, Trainer, build_model, reduce_losses
@@ -87,11 +88,8 @@ def check_run_settings(args: argparse.Namespace, plan: Plan, spec: ModelSpec, sh
     if args.init_from and args.resume:
         raise RunError("--init-from and --resume both say where the weights come from; pass one of them.")
     sources = weight_sources(spec, args.init_from, shapes) if args.init_from and resume_from is None else None
-    if args.tensorboard:
-        try:
-            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
-        except ImportError:
-            raise RunError("--tensorboard needs the tensorboard package; `pip install tensorboard`, or drop the flag.") from None
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:     # torch.utils.tensorboard needs it
+        raise RunError("--tensorboard needs the tensorboard package; `pip install tensorboard`, or drop the flag.")
     return config, source, start, resume_from, sources
 
 
@@ -113,9 +111,10 @@ def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[in
     return 0, None
 
 
-def load_run_inputs(plan_path: str) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
-    """The plan, the model file and the built model; raises PlanError, RunError or ModelFileError."""
-    plan = load_plan(plan_path)
+def load_run_inputs(plan_path: str, config: TrainConfig) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
+    """The plan (with the settings' optimizer hyper-parameters and seed), the model file and
+    the built model; raises PlanError, RunError or ModelFileError."""
+    plan = config.apply_to(load_plan(plan_path))
     world = os.environ.get("WORLD_SIZE")
     if world is None:
         raise RunError(f"the runtime runs under torchrun; use `torchrun --nproc-per-node {plan.world_size} -m runtime {plan_path}`.")
@@ -241,10 +240,11 @@ def timeout_sentence(rank, timeout_s: float, record: StepRecord | None) -> str:
             "hangs), so the run stops; if steps really take that long, pass a larger --timeout.")
 
 
-def progress_printer(parallel, plan: Plan, tokens_per_sample: int, tensorboard: str | None = None):
+def progress_printer(trainer: Trainer, tensorboard: str | None = None):
     """A log line on the steps that log (runtime.train.Trainer.log_due), from the rank that
     holds the last stage for dp and tp rank 0: its loss is that replica's share of the batch.
     With `tensorboard` that rank also writes the line's figures there as scalars."""
+    parallel, plan = trainer.parallel, trainer.parallel.plan
     if not (parallel.has_last_stage and parallel.dp_rank == 0 and parallel.tp_rank == 0):
         return None
     console = Console(highlight=False)
@@ -254,6 +254,7 @@ def progress_printer(parallel, plan: Plan, tokens_per_sample: int, tensorboard: 
         writer = SummaryWriter(tensorboard)
 
     def on_step(log: StepLog) -> None:
+        tokens_per_sample = trainer.tokens_per_sample
         rate = plan.global_batch * (tokens_per_sample or 1) / log.seconds
         parts = [f"step {log.step}/{log.steps}", f"loss {log.loss:.4f} (dp rank 0's samples)", f"lr {log.lr:.3g}"]
         if log.grad_norm is not None:
@@ -272,16 +273,10 @@ def progress_printer(parallel, plan: Plan, tokens_per_sample: int, tensorboard: 
     return on_step
 
 
-def tokens_per_sample(spec: ModelSpec) -> int:
-    """Token ids per input row when the inputs are integers (token ids), else 0."""
-    (shape, dtype), _ = sample_shapes(spec)
-    return int(torch.Size(shape).numel()) if not dtype.is_floating_point and not dtype.is_complex else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        plan, spec, model = load_run_inputs(args.plan)
+        plan, spec, model = load_run_inputs(args.plan, train_config(args))
         shapes = checkpoint.model_shapes(model)
         config, source, start, resume_from, weights = check_run_settings(args, plan, spec, shapes)
     except RUN_ERRORS as e:
@@ -332,8 +327,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
             if saved != now:
                 changed = ", ".join(k for k in now if saved.get(k) != now[k])
                 print(f"note: the training settings differ from the checkpoint's ({changed}); the steps go on with the new ones.", flush=True)
-    tokens = tokens_per_sample(spec)
-    printer = progress_printer(parallel, plan, tokens, args.tensorboard)
+    printer = progress_printer(trainer, args.tensorboard)
 
     local_losses, report = trainer.train(args.steps, start, on_step=printer, on_start=lambda step: record.begun(step + 1))
     losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
@@ -343,7 +337,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
         run = RunReport(plan_path=args.plan, plan_sha256=hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
                         world_size=plan.world_size, steps=args.steps - start, losses=losses, device=device_name(plan),
                         torch_version=torch.__version__, ranks=reports, first_step=start, global_batch=plan.global_batch,
-                        tokens_per_sample=tokens, checkpoint=str(trainer.saved or ""))
+                        tokens_per_sample=trainer.tokens_per_sample, checkpoint=str(trainer.saved or ""))
         run.mfu = measured_mfu(plan, run.step_s)
         run.validate()                   # what verify will check: a bug here, not a bad run document
         run.save(args.out)

@@ -169,7 +169,10 @@ class ParallelModel:
         for g in grads:
             # not is_replicate(): FSDP2 over TP shards a second time as _StridedShard, for which is_shard() is False
             pieces = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate()) if isinstance(g, DTensor) else 1
-            total += local(g).detach().to(self.device, torch.float64).pow(2).sum() / (holders // pieces)
+            # the tensor's norm in its own dtype (a reduction: no copy of the gradient, which
+            # the memory peak would show), squared in float64
+            norm = torch.linalg.vector_norm(local(g).detach()).to(self.device, torch.float64)
+            total += norm * norm / (holders // pieces)
         dist.all_reduce(total)
         norm = float(total.sqrt())
         if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -23,6 +23,11 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class TrainConfig:
     lr: float | None = None            # peak learning rate; None: the plan's optimizer's
+    weight_decay: float | None = None  # None: the plan's optimizer's (as are the next three)
+    beta1: float | None = None         # Adam / AdamW
+    beta2: float | None = None
+    momentum: float | None = None      # SGD with momentum
+    seed: int | None = None            # the initial weights' and the data order's; None: the plan's
     lr_schedule: str = "constant"      # after warm-up: constant, or cosine down to min_lr_ratio * lr
     warmup_steps: int = 0              # linear warm-up from lr / warmup_steps to lr
     decay_steps: int | None = None     # the step the cosine reaches its floor; None: the run's --steps
@@ -39,6 +44,12 @@ class TrainConfig:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 0
         if self.lr is not None and not (number(self.lr) and self.lr > 0):
             return f"the learning rate is {self.lr!r}; give a positive number"
+        for name in ("weight_decay", "beta1", "beta2", "momentum"):
+            v = getattr(self, name)
+            if v is not None and not (number(v) and 0 <= v and (name == "weight_decay" or v < 1)):
+                return f"{name} is {v!r}; give a number in {'[0, inf)' if name == 'weight_decay' else '[0, 1)'}"
+        if self.seed is not None and not whole(self.seed):
+            return f"the seed is {self.seed!r}; give a whole number, 0 or more"
         if self.lr_schedule not in LR_SCHEDULES:
             return f"the learning-rate schedule is {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}"
         if not whole(self.warmup_steps):
@@ -68,6 +79,17 @@ class TrainConfig:
         floor = self.min_lr_ratio * lr
         return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def apply_to(self, plan):
+        """The plan with these settings' optimizer hyper-parameters and seed (a copy): none of
+        them changes memory or time, so the plan's prediction still holds."""
+        o = plan.optimizer
+        optimizer = replace(o, lr=self.lr if self.lr is not None else o.lr,
+                            weight_decay=self.weight_decay if self.weight_decay is not None else o.weight_decay,
+                            betas=(self.beta1 if self.beta1 is not None else o.betas[0],
+                                   self.beta2 if self.beta2 is not None else o.betas[1]),
+                            momentum=self.momentum if self.momentum is not None else o.momentum)
+        return replace(plan, optimizer=optimizer, seed=self.seed if self.seed is not None else plan.seed)
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -80,6 +102,11 @@ class TrainConfig:
 # What each setting means, for both command lines (`plan run` and `python -m runtime`).
 HELP = {
     "lr": "Peak learning rate (default: the plan's optimizer's).",
+    "weight_decay": "The optimizer's weight decay (default: the plan's).",
+    "beta1": "Adam's first beta (default: the plan's).",
+    "beta2": "Adam's second beta (default: the plan's).",
+    "momentum": "SGD's momentum (default: the plan's).",
+    "seed": "The seed of the initial weights and the data order (default: the plan's).",
     "lr_schedule": "After warm-up: constant, or cosine down to min-lr-ratio x lr at decay-steps.",
     "warmup_steps": "Steps of linear warm-up to the peak learning rate.",
     "decay_steps": "The step at which the cosine reaches its floor (default: --steps).",
@@ -100,7 +127,7 @@ def train_args(config_path: str | None = None, **values) -> list[str]:
         if name not in HELP:
             raise KeyError(name)
         if v is not None:
-            out += [flag(name), f"{v:g}" if isinstance(v, float) else str(v)]
+            out += [flag(name), repr(v) if isinstance(v, float) else str(v)]   # repr: every digit
     return out
 
 

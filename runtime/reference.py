@@ -22,6 +22,7 @@ from .train import build_model
 def train_reference(spec: ModelSpec, plan: Plan, steps: int, config: TrainConfig | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses per step and the final state dict (CPU tensors)."""
     config = config or TrainConfig()
+    plan = config.apply_to(plan)
     model = build_model(spec, plan)
     optimizer = build_optimizer(list(model.parameters()), plan.optimizer)
     source = batch_source(spec, plan)

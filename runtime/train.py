@@ -148,6 +148,7 @@ class Trainer:
         self.config = config or TrainConfig()
         self.checkpoints = checkpoints
         self.saved: Path | None = None          # the latest checkpoint this run wrote
+        self.tokens_per_sample = 0              # token ids per input row (integer inputs), from the first batch
         # With checkpoints on, a signal stops the run at a step's end with a checkpoint.
         self.stops = StopRequests() if checkpoints else None
 
@@ -167,9 +168,12 @@ class Trainer:
         for k, step in enumerate(range(start, steps)):
             torch.manual_seed(plan.seed + 1 + step)
             inputs, targets = (t.to(p.device) for t in self.source.batch(step, p.dp_rank))
+            if k == 0 and not (inputs.dtype.is_floating_point or inputs.dtype.is_complex):
+                self.tokens_per_sample = int(inputs[0].numel())
             lr = self.config.lr_at(step, plan.optimizer.lr, steps)
             logs = self.log_due(step + 1, start, steps)
-            args = dict(lr=lr, clip_grad_norm=self.config.clip_grad_norm, grad_norm=logs)
+            # The norm for the log line only off the memory-measured step (clipping computes it anyway).
+            args = dict(lr=lr, clip_grad_norm=self.config.clip_grad_norm, grad_norm=logs and k != measured)
             if on_start:
                 on_start(step)
             if k == profiled:

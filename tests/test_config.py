@@ -52,3 +52,17 @@ def test_bad_settings_are_one_sentence(tmp_path, text, flags, says):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_optimizer_settings_and_seed_override_the_plans_only_where_given():
+    from planner.plan import OptimizerConfig
+
+    from runtime_cases import make_plan
+    plan = make_plan(optimizer=OptimizerConfig(name="adamw", lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01), seed=3)
+    got = TrainConfig(lr=2e-3, beta2=0.95, seed=11).apply_to(plan)
+    assert (got.optimizer.lr, got.optimizer.betas, got.optimizer.weight_decay, got.seed) == (2e-3, (0.9, 0.95), 0.01, 11)
+    assert plan.optimizer.lr == 1e-3 and plan.seed == 3                       # a copy: the plan is untouched
+    assert TrainConfig().apply_to(plan) == plan
+    assert train_args(beta2=0.99999999) == ["--beta2", "0.99999999"]          # every digit reaches the runtime
+    with pytest.raises(ConfigError, match="beta1 is 1.0"):
+        load_config(None, beta1=1.0)
