@@ -10,9 +10,11 @@ lm_head.weight) gives the head the embedding's matrix, as Transformers does.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from profiles.model_file import ModelSpec
@@ -80,4 +82,6 @@ def load_weights(params: dict[str, torch.Tensor], directory: str | Path, sources
         uses[theirs] = uses.get(theirs, 0) + 1
     for k in range(max(uses.values(), default=0)):
         state = {theirs: params[names[k]].detach() for theirs, names in by_source.items() if len(names) > k}
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+        with warnings.catch_warnings():   # one process: DCP says it assumes so, which is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)), no_dist=not dist.is_initialized())

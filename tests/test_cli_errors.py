@@ -350,6 +350,9 @@ def small_run(small_plan, tmp_path):
     (lambda d: d["ranks"][0].__setitem__("rank", 9), "ranks are not 0, 1, 2"),
     (lambda d: d["ranks"][0].__setitem__("step_times_s", []), "0 step times for 3 steps"),
     (lambda d: d.__setitem__("device", 4), "device is 4, not text"),
+    (lambda d: d.__setitem__("first_step", -1), "first_step is -1"),
+    (lambda d: d.__setitem__("mfu", "high"), "mfu is 'high'"),
+    (lambda d: d.__setitem__("checkpoint", 3), "checkpoint is 3, not text"),
 ])
 @pytest.mark.parametrize("command", ["show", "verify"])
 def test_hand_edited_run(small_plan, small_run, tmp_path, edit, needle, command):
