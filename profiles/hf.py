@@ -415,7 +415,10 @@ def adapt(model: nn.Module) -> nn.Sequential:
     else:
         first = TokenEmbedding(base.embed_tokens)
         blocks, norm = list(base.layers), base.norm
-        rotaries = [type(base.rotary_emb)(config=config) for _ in blocks]
+        # On the CPU even when the model is built on the meta device (a run that loads its
+        # weights): these buffers are computed, not loaded, so they must hold their values.
+        with torch.device("cpu"):
+            rotaries = [type(base.rotary_emb)(config=config) for _ in blocks]
     windows = layer_windows(config, model_type, len(blocks))
     layers = [adapt_decoder_layer(b, r, w) for b, r, w in zip(blocks, rotaries, windows)]
     return nn.Sequential(first, *layers, NormHead(norm, model.lm_head))

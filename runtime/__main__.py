@@ -93,6 +93,18 @@ def check_run_settings(args: argparse.Namespace, plan: Plan, spec: ModelSpec, sh
     return config, source, start, resume_from, sources
 
 
+def restarted_with_checkpoint(args: argparse.Namespace) -> bool:
+    """A torchrun restart (--max-restarts) with a complete checkpoint to resume from."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and bool(args.checkpoint_dir)
+            and bool(checkpoint.complete_checkpoints(args.checkpoint_dir)))
+
+
+def loads_every_weight(args: argparse.Namespace) -> bool:
+    """Whether every parameter will come from files (a checkpoint, or --init-from): then the
+    model is built on the meta device and no rank holds more than its own shards."""
+    return bool(args.init_from or args.resume or restarted_with_checkpoint(args))
+
+
 def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[int, Path | None]:
     """The step to start from and the checkpoint to load (None: start afresh). A torchrun
     restart (--max-restarts) resumes from the latest complete checkpoint when there is one."""
@@ -100,8 +112,7 @@ def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[in
         if args.resume:
             raise RunError("--resume needs --checkpoint-dir, the folder of the checkpoints to continue from.")
         return 0, None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if args.resume or (restarted and checkpoint.complete_checkpoints(args.checkpoint_dir)):
+    if args.resume or restarted_with_checkpoint(args):
         path, info = checkpoint.find_resume(args.checkpoint_dir, shapes, plan.optimizer.name)
         if info.step >= args.steps:
             raise RunError(f"{path} was written after step {info.step}, so --steps {args.steps} leaves nothing to train; "
@@ -111,9 +122,10 @@ def resume_point(args: argparse.Namespace, plan: Plan, shapes: dict) -> tuple[in
     return 0, None
 
 
-def load_run_inputs(plan_path: str, config: TrainConfig) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
+def load_run_inputs(plan_path: str, config: TrainConfig, on_meta: bool = False) -> tuple[Plan, ModelSpec, torch.nn.Sequential]:
     """The plan (with the settings' optimizer hyper-parameters and seed), the model file and
-    the built model; raises PlanError, RunError or ModelFileError."""
+    the built model (on the meta device when its weights will be loaded); raises PlanError,
+    RunError or ModelFileError."""
     plan = config.apply_to(load_plan(plan_path))
     world = os.environ.get("WORLD_SIZE")
     if world is None:
@@ -126,7 +138,9 @@ def load_run_inputs(plan_path: str, config: TrainConfig) -> tuple[Plan, ModelSpe
     if plan.device_type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         raise RunError(f"plan {plan_path} needs {os.environ.get('LOCAL_WORLD_SIZE', 1)} CUDA devices on this node but torch sees {torch.cuda.device_count()}; run it where they are.")
     spec = load_spec(plan.model)
-    model = build_model(spec, plan)
+    # Not tried on a GPU yet: FSDP2's to_empty with an offload policy (shards that must stay on the host).
+    offloads_on_gpu = plan.device_type == "cuda" and any(lc.offload for s in plan.stages for lc in s.layers)
+    model = build_model(spec, plan, on_meta and not offloads_on_gpu)
     if len(model) != plan.n_layers:
         raise RunError(f"plan {plan_path} has {plan.n_layers} layers but {spec.path} builds {len(model)}; profile and solve again.")
     return plan, spec, model
@@ -276,7 +290,7 @@ def progress_printer(trainer: Trainer, tensorboard: str | None = None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        plan, spec, model = load_run_inputs(args.plan, train_config(args))
+        plan, spec, model = load_run_inputs(args.plan, train_config(args), on_meta=loads_every_weight(args))
         shapes = checkpoint.model_shapes(model)
         config, source, start, resume_from, weights = check_run_settings(args, plan, spec, shapes)
     except RUN_ERRORS as e:

@@ -80,6 +80,24 @@ def build_stage(model: nn.Sequential, stage: Stage) -> nn.Sequential:
     return nn.Sequential(OrderedDict((str(lc.index), model[lc.index]) for lc in stage.layers))
 
 
+def stage_on_device(model: nn.Sequential, stage: Stage, tp_plan: dict[str, str], mesh: DeviceMesh, plan: Plan,
+                    device: torch.device) -> nn.Sequential:
+    """The stage's layers parallelized on `device`. A model built on the meta device is
+    parallelized there first and then allocated, each rank only its shards, uninitialised
+    (its weights are loaded next); buffers that hold values (computed, not loaded) keep them."""
+    module = build_stage(model, stage)
+    if not any(t.is_meta for t in module.parameters()):
+        return parallelize_stage(module.to(device), stage.layers, tp_plan, mesh, plan)
+    kept = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
+    module = parallelize_stage(module, stage.layers, tp_plan, mesh, plan)
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            if clean_name(n) in kept:
+                b.copy_(kept[clean_name(n)])
+    return module
+
+
 class ParallelModel:
     """This rank's part of a model laid out as the plan says, its optimizer and its step."""
 
@@ -89,7 +107,7 @@ class ParallelModel:
         self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
         stages = plan.stages_of_rank(self.pp_rank)
         self.stage_indices = [s.index for s in stages]
-        self.modules = [parallelize_stage(build_stage(model, s).to(self.device), s.layers, tp_plan, mesh, plan) for s in stages]
+        self.modules = [stage_on_device(model, s, tp_plan, mesh, plan, self.device) for s in stages]
         self.has_first_stage = 0 in self.stage_indices
         self.has_last_stage = len(plan.stages) - 1 in self.stage_indices
 
@@ -211,7 +229,8 @@ class ParallelModel:
 def apply_plan(model: nn.Sequential, plan: Plan | str, loss_fn: Callable | None = None,
                tp_plan: dict[str, str] | None = None, mesh: DeviceMesh | None = None) -> ParallelModel:
     """This rank's stages of `model` (the whole model, built the same on every rank) laid out
-    as `plan` says, with the optimizer and step the plan names.
+    as `plan` says, with the optimizer and step the plan names. A model built on the meta
+    device gets each rank's shards allocated uninitialised: load its weights next.
 
     loss_fn(output, targets) defaults to cross-entropy; tp_plan (submodule globs -> "colwise" /
     "rowwise") is the model file's, needed when plan.tp > 1. The default process group must

@@ -44,10 +44,12 @@ from .pipeline import p2p_buffers
 from .sharded_optimizer import local
 
 
-def build_model(spec: ModelSpec, plan: Plan) -> nn.Sequential:
-    """The whole model on CPU, initialised exactly as one process would."""
+def build_model(spec: ModelSpec, plan: Plan, on_meta: bool = False) -> nn.Sequential:
+    """The whole model on CPU, initialised exactly as one process would; or, `on_meta`, its
+    shapes only (a run whose weights are loaded: each rank then allocates its own shards)."""
     torch.manual_seed(plan.seed)
-    model = build_checked_model(spec)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = build_checked_model(spec)
     return model.to(torch.bfloat16) if plan.precision == "bf16" else model
 
 
