@@ -583,6 +583,7 @@ def verify(
 
 
 def print_run(run) -> None:
+    out.print(escape(display.run_summary(run)), highlight=False)
     out.print(display.run_table(run))
     out.print("losses: " + ", ".join(f"{x:.4f}" for x in run.losses))
 

@@ -194,6 +194,17 @@ def time_check_table(rows, rank: int) -> Group:
     return titled(title, t)
 
 
+def run_summary(run) -> str:
+    """One line: what ran, the loss from first to last step, the throughput (and MFU on GPUs)."""
+    rate = f"{run.tokens_per_s:,.0f} tokens/s" if run.tokens_per_sample else f"{run.samples_per_s:,.1f} samples/s"
+    # On CPU processes the "peak" is a nominal figure of the preset: an MFU against it means nothing.
+    mfu = f", MFU {100 * run.mfu:.1f}%" if run.mfu and run.device != "cpu" else ""
+    if not run.global_batch:              # a run document from before throughput was recorded
+        rate, mfu = "", ""
+    return (f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "
+            f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}" + (f", {rate}{mfu}" if rate else ""))
+
+
 def run_table(run) -> Group:
     unit, scale = size_unit([r.peak_bytes for r in run.ranks])
     steps = f"steps {run.first_step + 1}-{run.first_step + run.steps}" if run.first_step else f"{run.steps} steps"

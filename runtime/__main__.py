@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from display import run_table
+from display import run_summary, run_table
 from planner.plan import Plan, PlanError, load_plan
 from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
@@ -196,11 +196,7 @@ def device_name(plan: Plan) -> str:
 
 def print_summary(run: RunReport) -> None:
     console = Console()
-    rate = f"{run.tokens_per_s:,.0f} tokens/s" if run.tokens_per_sample else f"{run.samples_per_s:,.1f} samples/s"
-    # On CPU processes the "peak" is a nominal figure of the preset: an MFU against it means nothing.
-    mfu = f", MFU {100 * run.mfu:.1f}%" if run.mfu and run.device != "cpu" else ""
-    console.print(f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "
-                  f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}, {rate}{mfu}", highlight=False, markup=False)
+    console.print(run_summary(run), highlight=False, markup=False)
     console.print(run_table(run))
 
 

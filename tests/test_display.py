@@ -128,3 +128,16 @@ def test_plot_files_are_pictures(big, tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.png", "verify.png"]   # no temporary left
+
+
+def test_run_summary_says_throughput_and_mfu_only_on_gpus():
+    from display import run_summary
+    from planner.run_report import RankReport, RunReport
+    ranks = [RankReport(r, 0, r, 0, [0], 1 << 20, [0.5] * 3, 0.5) for r in range(2)]
+    run = RunReport("p.json", "0" * 64, 2, 3, [6.5, 6.0, 5.5], "cpu", "2.13", ranks, global_batch=16,
+                    tokens_per_sample=64, mfu=0.4)
+    assert run_summary(run) == "p.json: 3 steps on 2 x cpu, loss 6.5000 -> 5.5000, 2,048 tokens/s"   # 16 x 64 / 0.5 s
+    run.device, run.tokens_per_sample = "NVIDIA H100", 0
+    assert run_summary(run).endswith("loss 6.5000 -> 5.5000, 32.0 samples/s, MFU 40.0%")
+    run.global_batch = 0                                  # an older run document: no throughput to show
+    assert run_summary(run).endswith("loss 6.5000 -> 5.5000")
