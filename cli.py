@@ -423,11 +423,11 @@ def run(
     beta2: Optional[float] = typer.Option(None, help=TRAIN_HELP["beta2"]),
     momentum: Optional[float] = typer.Option(None, help=TRAIN_HELP["momentum"]),
     seed: Optional[int] = typer.Option(None, help=TRAIN_HELP["seed"]),
-    lr_schedule: Optional[str] = typer.Option(None, help=TRAIN_HELP["lr_schedule"] + " [default: constant]"),
-    warmup_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["warmup_steps"] + " [default: 0]"),
+    lr_schedule: Optional[str] = typer.Option(None, help=TRAIN_HELP["lr_schedule"]),
+    warmup_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["warmup_steps"]),
     decay_steps: Optional[int] = typer.Option(None, help=TRAIN_HELP["decay_steps"]),
-    min_lr_ratio: Optional[float] = typer.Option(None, help=TRAIN_HELP["min_lr_ratio"] + " [default: 0.1]"),
-    clip_grad_norm: Optional[float] = typer.Option(None, help=TRAIN_HELP["clip_grad_norm"] + " [default: 0]"),
+    min_lr_ratio: Optional[float] = typer.Option(None, help=TRAIN_HELP["min_lr_ratio"]),
+    clip_grad_norm: Optional[float] = typer.Option(None, help=TRAIN_HELP["clip_grad_norm"]),
     log_every: Optional[int] = typer.Option(None, help=TRAIN_HELP["log_every"]),
 ):
     """Launch the plan under torchrun (`torchrun ... -m runtime plan.json`) and train it; Ctrl-C stops every rank."""

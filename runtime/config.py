@@ -107,11 +107,11 @@ HELP = {
     "beta2": "Adam's second beta (default: the plan's).",
     "momentum": "SGD's momentum (default: the plan's).",
     "seed": "The seed of the initial weights and the data order (default: the plan's).",
-    "lr_schedule": "After warm-up: constant, or cosine down to min-lr-ratio x lr at decay-steps.",
-    "warmup_steps": "Steps of linear warm-up to the peak learning rate.",
+    "lr_schedule": "After warm-up: constant (the default), or cosine down to min-lr-ratio x lr at decay-steps.",
+    "warmup_steps": "Steps of linear warm-up to the peak learning rate (default: 0).",
     "decay_steps": "The step at which the cosine reaches its floor (default: --steps).",
-    "min_lr_ratio": "The cosine's floor as a fraction of the peak learning rate.",
-    "clip_grad_norm": "Clip gradients to this global L2 norm (over every shard and stage); 0: no clipping.",
+    "min_lr_ratio": "The cosine's floor as a fraction of the peak learning rate (default: 0.1).",
+    "clip_grad_norm": "Clip gradients to this global L2 norm (over every shard and stage); 0, the default: no clipping.",
     "log_every": "A log line every N steps (0: about 20 per run).",
 }
 
