@@ -42,6 +42,7 @@ from .weights import WeightsError, load_weights, weight_sources
 
 EXIT_TIMEOUT = 4
 EXIT_PEER_LOST = 5
+PEER_LOST_GRACE_S = 3.0
 
 
 class RunError(Exception):
@@ -310,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         if is_peer_lost(e):
             print(f"rank {rank}: lost the connection to another rank (it stopped or crashed), so the run stops.",
                   file=sys.stderr, flush=True)
+            # Leave after torchrun has seen the rank that really failed (it polls every 0.1 s),
+            # so that its report, and plan run's sentence, name that rank and not this one.
+            time.sleep(PEER_LOST_GRACE_S)
             os._exit(EXIT_PEER_LOST)
         if not is_timeout(e):
             raise
