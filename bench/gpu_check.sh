@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: calibrate the GPU (matmul sweep, copy bandwidth; NCCL collectives where there
 # are 2+ GPUs), profile a ~1B-parameter GPT on CUDA, solve for one GPU with a memory limit that
-# forces checkpointing and offload, run the plan, and print memory and time fidelity.
+# forces checkpointing and offload, run the plan, and print memory and time fidelity; then
+# resume that plan from a CUDA checkpoint and load a tiny Llama's safetensors (--init-from).
 # Designed to finish in a few minutes on one H200; exits 0 with a note where there is no CUDA.
 #
 #   bash bench/gpu_check.sh            # results under $OUT (default bench/results/gpu)
@@ -31,3 +32,41 @@ time plan profile bench/models/gpt1b.py --device cuda --precision mixed --batch-
 time plan solve "$OUT/profile.json" --gpus 1 --hardware h200-141g --memory-limit "$LIMIT" --global-batch 8 -o "$OUT/plan.json"
 plan run "$OUT/plan.json" --steps 8 --out "$OUT/run.json"
 plan verify "$OUT/plan.json" "$OUT/run.json" --tolerance 5 | tee "$OUT/verify.txt"
+
+# Training on CUDA (issue 13): 4 steps with a checkpoint, then a resume to step 8, held to the
+# uninterrupted run above (its losses 5..8); then a tiny Llama's safetensors in (--init-from),
+# its first loss against transformers' own from_pretrained on the same batch.
+plan run "$OUT/plan.json" --steps 4 --checkpoint-dir "$OUT/ck" --out "$OUT/run-first.json"
+plan run "$OUT/plan.json" --steps 8 --checkpoint-dir "$OUT/ck" --resume --out "$OUT/run-resumed.json"
+python - "$OUT" <<'PY' | tee "$OUT/resume.txt"
+import json, sys
+out = sys.argv[1]
+whole = json.load(open(f"{out}/run.json"))["losses"]
+resumed = json.load(open(f"{out}/run-resumed.json"))["losses"]
+print("uninterrupted steps 5-8:", whole[4:]); print("resumed steps 5-8:     ", resumed)
+print("max relative difference:", max(abs(a - b) / abs(a) for a, b in zip(whole[4:], resumed)))
+PY
+python - "$OUT" <<'PY'
+import sys, torch, transformers
+from profiles.hf import make_config, read_config
+_, d = read_config("examples/hf-llama-tiny")
+torch.manual_seed(7)
+transformers.AutoModelForCausalLM.from_config(make_config(d), attn_implementation="sdpa").save_pretrained(f"{sys.argv[1]}/tiny-llama")
+PY
+plan profile "$OUT/tiny-llama" --device cuda --seq-len 64 --batch-sizes 1,2 --repeats 1 -o "$OUT/llama-profile.json"
+plan solve "$OUT/llama-profile.json" --gpus 1 --hardware h200-141g --global-batch 4 -o "$OUT/llama-plan.json"
+plan run "$OUT/llama-plan.json" --steps 2 --init-from "$OUT/tiny-llama" --out "$OUT/llama-run.json"
+python - "$OUT" <<'PY' | tee "$OUT/init-from.txt"
+import json, sys, torch, transformers
+from planner.plan import load_plan
+from profiles.model_file import load_spec
+from runtime.data import global_batch
+out = sys.argv[1]
+plan = load_plan(f"{out}/llama-plan.json"); spec = load_spec(plan.model)
+inputs, targets = global_batch(spec, plan, 0)
+ref = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/tiny-llama", attn_implementation="sdpa")
+with torch.no_grad():
+    want = spec.loss_fn(ref(inputs).logits, targets).item()
+got = json.load(open(f"{out}/llama-run.json"))["losses"][0]
+print(f"first loss {got:.6f} vs from_pretrained {want:.6f} (relative {abs(got - want) / want:.2e})")
+PY
