@@ -122,6 +122,8 @@ class ParallelModel:
         # fully_shard units (zero 2/3, offloaded layers) reduce-scatter after every one.
         self.sync_units = [u for m in self.modules for u in m.modules() if isinstance(u, ReplicateModule)]
 
+        self.grad_norm: float | None = None            # the last step's, when asked for (train_step)
+        self._norm_share: torch.Tensor | None = None
         self.schedule, self.pipeline_stages = None, []
         if plan.pp > 1:
             self.schedule, self.pipeline_stages = build_pipeline_schedule(
@@ -139,12 +141,16 @@ class ParallelModel:
         """Forward and backward over this dp rank's `rows` samples, then the optimizer step at
         `lr` (None: the optimizer's own). With clip_grad_norm > 0 the gradients are first scaled
         to at most that global L2 norm (as torch.nn.utils.clip_grad_norm_ on one process);
-        the norm before clipping is then `self.grad_norm` (also computed when grad_norm is set).
+        the norm before clipping is then `self.grad_norm`. Without clipping, `grad_norm` asks
+        for the norm too: this rank's share is summed here (no communication) and
+        `global_grad_norm()`, a collective, adds the shares after the step.
         Returns this rank's mean loss (None off the last stage)."""
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
-        self.grad_norm = None
-        if clip_grad_norm > 0 or grad_norm:
+        self.grad_norm, self._norm_share = None, None
+        if clip_grad_norm > 0:
             self.grad_norm = self.clip_grad_norm_(clip_grad_norm)
+        elif grad_norm:
+            self._norm_share = self._squared_norm_share()
         with optimizer_region():
             self.optimizer.step(lr)
             self.optimizer.zero_grad()
@@ -181,22 +187,37 @@ class ParallelModel:
         and a local tensor is one of as many distinct pieces as the product of the mesh sizes
         its DTensor is sharded over (1 for a plain tensor). One all-reduce adds the rest.
         """
+        total = self._squared_norm_share()
+        dist.all_reduce(total)
+        norm = float(total.sqrt())
+        if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1:
+            for p in self.optimizer.params:
+                if p.grad is not None:
+                    local(p.grad).mul_(coef)
+        return norm
+
+    def _squared_norm_share(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (see clip_grad_norm_)."""
         holders = self.plan.dp * self.plan.tp
-        grads = [p.grad for p in self.optimizer.params if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
+        for p in self.optimizer.params:
+            if (g := p.grad) is None:
+                continue
             # not is_replicate(): FSDP2 over TP shards a second time as _StridedShard, for which is_shard() is False
             pieces = math.prod(g.device_mesh.size(d) for d, pl in enumerate(g.placements) if not pl.is_replicate()) if isinstance(g, DTensor) else 1
             # the tensor's norm in its own dtype (a reduction: no copy of the gradient, which
             # the memory peak would show), squared in float64
             norm = torch.linalg.vector_norm(local(g).detach()).to(self.device, torch.float64)
             total += norm * norm / (holders // pieces)
-        dist.all_reduce(total)
-        norm = float(total.sqrt())
-        if max_norm > 0 and (coef := max_norm / (norm + 1e-6)) < 1:
-            for g in grads:
-                local(g).mul_(coef)
-        return norm
+        return total
+
+    def global_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (before clipping), the same on every rank; a
+        collective when train_step was asked for it without clipping (every rank must call it)."""
+        if self._norm_share is not None:
+            dist.all_reduce(self._norm_share)
+            self.grad_norm, self._norm_share = float(self._norm_share.sqrt()), None
+        return self.grad_norm
 
     # -- checkpoints -----------------------------------------------------------------------
     def named_parameters(self) -> dict[str, nn.Parameter]:

@@ -174,7 +174,9 @@ class Trainer:
                 self.tokens_per_sample = int(inputs[0].numel())
             lr = self.config.lr_at(step, plan.optimizer.lr, steps)
             logs = self.log_due(step + 1, start, steps)
-            # The norm for the log line only off the memory-measured step (clipping computes it anyway).
+            # The log line's norm: this rank's share inside the step (no communication; clipping
+            # computes the whole norm anyway), added up after its timing; never on the step whose
+            # memory is measured.
             args = dict(lr=lr, clip_grad_norm=self.config.clip_grad_norm, grad_norm=logs and k != measured)
             if on_start:
                 on_start(step)
@@ -193,8 +195,9 @@ class Trainer:
                 if memory is not None:
                     peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
+            norm = p.global_grad_norm()          # every rank: a collective when the step logs without clipping
             if on_step and logs:
-                on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, p.grad_norm))
+                on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, norm))
             due = self.checkpoints and self.checkpoints.due(step + 1, steps)
             if due:
                 self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
