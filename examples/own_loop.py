@@ -82,8 +82,7 @@ def main() -> None:
             print(f"step {step + 1}: loss {losses[-1]:.4f}, grad norm {parallel.grad_norm:.3f}", flush=True)
 
     if args.checkpoint_dir:
-        info = checkpoint.CheckpointInfo(step=args.steps, model="gpt", params=shapes,
-                                         optimizer=plan.optimizer.name, layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero})
+        info = checkpoint.CheckpointInfo.of_run("gpt", plan, shapes, step=args.steps)
         checkpoint.save(parallel, args.checkpoint_dir, info)
     if args.losses and dist.get_rank() == 0:
         Path(args.losses).write_text("".join(f"{x!r}\n" for x in losses))

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,7 +29,7 @@ from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 
 from . import checkpoint
-from .api import apply_plan, init_distributed
+from .api import agent_store, apply_plan, init_distributed
 from .checkpoint import CheckpointError, CheckpointInfo
 from .config import ConfigError, TrainConfig, add_train_args, load_config
 from .data import batch_source
@@ -162,12 +161,6 @@ def refuse(message: str) -> NoReturn:
     os._exit(2)
 
 
-def agent_store(timeout_s: float) -> dist.TCPStore:
-    """A client of torchrun's own store (TORCHELASTIC_USE_AGENT_STORE): no process group needed."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
-
-
 def wait_for_all_ranks(key: str, timeout_s: float = 15.0) -> None:
     store = agent_store(timeout_s)
     key = f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -292,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         config, source, start, resume_from, weights = check_run_settings(args, plan, spec, shapes)
     except RUN_ERRORS as e:
         refuse(str(e))
-    info = CheckpointInfo(step=0, model=spec.name, params=shapes, optimizer=plan.optimizer.name,
-                          layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero},
-                          config=config.to_json(), total_steps=args.steps)
+    info = CheckpointInfo.of_run(spec.name, plan, shapes, config, total_steps=args.steps)
     checkpoints = Checkpointing(Path(args.checkpoint_dir), args.checkpoint_every, info) if args.checkpoint_dir else None
     record = StepRecord(plan.world_size)
     try:

@@ -48,6 +48,12 @@ __all__ = ["ParallelModel", "apply_plan", "init_distributed", "load_plan"]
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
+def agent_store(timeout_s: float) -> dist.TCPStore:
+    """A client of torchrun's own store (at MASTER_ADDR:MASTER_PORT): no process group needed."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def init_distributed(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """The default process group for the plan's device: NCCL on CUDA (one GPU per local rank), else gloo.
 
@@ -59,8 +65,7 @@ def init_distributed(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     timeout = timedelta(seconds=timeout_s)
     store = {}
     if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
-        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-        store = {"store": dist.PrefixStore(f"plan/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", client),
+        store = {"store": dist.PrefixStore(f"plan/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", agent_store(timeout_s)),
                  "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     if plan.device_type == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])

@@ -56,6 +56,14 @@ class CheckpointInfo:
     kind: str = "checkpoint"
     schema: int = CHECKPOINT_SCHEMA
 
+    @classmethod
+    def of_run(cls, model: str, plan, shapes: dict[str, list[int]], config=None, total_steps: int = 0,
+               step: int = 0) -> "CheckpointInfo":
+        """What a run of `plan` records (config: its TrainConfig, if any)."""
+        return cls(step=step, model=model, params=shapes, optimizer=plan.optimizer.name,
+                   layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero},
+                   config=config.to_json() if config is not None else {}, total_steps=total_steps)
+
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
     """Every parameter's shape by its name in the full model (works on the meta device)."""

@@ -198,12 +198,10 @@ class Trainer:
             norm = p.global_grad_norm()          # every rank: a collective when the step logs without clipping
             if on_step and logs:
                 on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, norm))
-            due = self.checkpoints and self.checkpoints.due(step + 1, steps)
-            if due:
+            stop = bool(self.stops) and step + 1 < steps and self.stops.agreed(p.device)
+            if self.checkpoints and (stop or self.checkpoints.due(step + 1, steps)):
                 self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
-            if self.stops and step + 1 < steps and self.stops.agreed(p.device):
-                if not due:
-                    self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
+            if stop:
                 raise Stopped(step + 1, self.stops.signal_name, self.saved)
         if p.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(p.device)

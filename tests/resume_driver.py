@@ -46,9 +46,7 @@ def main(jobs_path: str) -> None:
             path, info = checkpoint.find_resume(job["checkpoint_dir"], shapes, plan.optimizer.name)
             checkpoint.load(parallel, path)
             start = info.step
-        info = checkpoint.CheckpointInfo(step=0, model=spec.name, params=shapes, optimizer=plan.optimizer.name,
-                                         layout={"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "zero": plan.zero},
-                                         config=config.to_json(), total_steps=job["steps"])
+        info = checkpoint.CheckpointInfo.of_run(spec.name, plan, shapes, config, total_steps=job["steps"])
         trainer = Trainer(parallel, batch_source(spec, plan), config, Checkpointing(Path(job["checkpoint_dir"]), 0, info))
         local_losses, _ = trainer.train(job["steps"], start)
         losses = reduce_losses(local_losses, parallel.has_last_stage, plan, parallel.device)
