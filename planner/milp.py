@@ -134,14 +134,17 @@ def add_bytes_bound(prob: lp.Model, lhs, rhs, limit: int, name: str) -> None:
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
-                 memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None) -> Layout:
+                 memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None,
+                 run_choices: list[list[Choice]] | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
     `memory=False`: with no memory limit, the fastest layout there is; `cutoff`: only a layout
     of at most this step time, else status "cut off"; `lower_bound`: a step time no layout of
-    this candidate beats, as a row)."""
+    this candidate beats, as a row; `run_choices`: per run, the part of `choices` open to its
+    layers, where the others are proven not to be needed)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.pp
+    open_to = run_choices if run_choices is not None else [choices] * R    # open_to[r]: run r's choices
     m = cand.num_micro_batches
     limit = model.memory_limit if memory else None
     prob = lp.Model(f"layout_{cand.describe().replace(' ', '_')}")
@@ -158,10 +161,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         return max(0, hi - lo + 1)
 
     L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, most(r, s), cat="Integer")
-         for r in range(R) for s in range(S) for c in choices}
-    # e: the segment (r, s, c) has a layer; f: it has two or more.
-    e = {k: prob.add_variable(f"e_{v.name[2:]}", cat="Binary") for k, v in L.items()}
-    f = {k: prob.add_variable(f"f_{v.name[2:]}", cat="Binary") for k, v in L.items()}
+         for r in range(R) for s in range(S) for c in open_to[r]}
+    # e: the segment (r, s, c) has a layer; f: it has two or more (memory rows only).
+    gates = L if memory else {}
+    e = {k: prob.add_variable(f"e_{v.name[2:]}", cat="Binary") for k, v in gates.items()}
+    f = {k: prob.add_variable(f"f_{v.name[2:]}", cat="Binary") for k, v in gates.items()}
     # full[r,s]: stages 0..s hold all of run r; started[r,s]: they hold some of it.
     full = {(r, s): prob.add_variable(f"full_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
     started = {(r, s): prob.add_variable(f"started_r{r}_s{s}", cat="Binary") for r in range(R) for s in range(S)}
@@ -169,8 +173,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # kp[r,s,c]: the layer before segment (r,s,c) keeps its output; E[r,s,c]: after the
     # segment, the last layer so far keeps its output. Upper-bounded by the truth; they only
     # lower memory, so the solver sets them to it whenever memory binds.
-    kp = {k: prob.add_variable(f"kp_{v.name[2:]}", 0, 1) for k, v in L.items()}
-    E = {k: prob.add_variable(f"E_{v.name[2:]}", 0, 1) for k, v in L.items()}
+    kp = {k: prob.add_variable(f"kp_{v.name[2:]}", 0, 1) for k, v in gates.items()}
+    E = {k: prob.add_variable(f"E_{v.name[2:]}", 0, 1) for k, v in gates.items()}
     tau = prob.add_variable("tau", 0)            # slowest stage's time per micro-batch (ms)
     omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (ms)
     exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward (ms)
@@ -178,14 +182,14 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     stage_times = {}                             # each stage's time per micro-batch (ms), built below
 
     # -- layer costs per (run, choice); every layer of a run costs the same -----------------
-    cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in choices}
+    cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in open_to[r]}
     loss = model.loss(cand)
 
     # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
     for r, (start, length) in enumerate(runs):
-        prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in choices) == length, f"run{r}_all_layers_placed"
+        prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in open_to[r]) == length, f"run{r}_all_layers_placed"
         for s in range(S):
-            cum = lp.lin_sum(L[r, t, c] for t in range(s + 1) for c in choices)
+            cum = lp.lin_sum(L[r, t, c] for t in range(s + 1) for c in open_to[r])
             prob += cum >= length * full[r, s], f"full_r{r}_s{s}_means_all"
             prob += full[r, s] >= cum - (length - 1), f"full_r{r}_s{s}_when_all"
             prob += cum <= length * started[r, s], f"started_r{r}_s{s}_when_any"
@@ -193,10 +197,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             if r + 1 < R:
                 prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
     for s in range(S):
-        prob += lp.lin_sum(L[r, s, c] for r in range(R) for c in choices) >= 1, f"stage{s}_not_empty"
+        prob += lp.lin_sum(L[r, s, c] for r in range(R) for c in open_to[r]) >= 1, f"stage{s}_not_empty"
     if must_offload(cand, prof.precision):
         prob += lp.lin_sum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
-    for k in L:
+    for k in gates:
         length = runs[k[0]][1]
         prob += L[k] >= e[k], f"e_{L[k].name[2:]}_lo"
         prob += L[k] <= length * e[k], f"e_{L[k].name[2:]}_hi"
@@ -392,6 +396,27 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                                        + (0 if resharded else ahead), limit, gate, f"mem_{name}_{tag}_{where}_gather")
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
+        # Valid cut, the records above with their gates taken out: the stage's last layer runs
+        # its backward with everything the stage keeps alive, whichever segment it is in, so
+        # the smallest of those records over the stage's kinds of layer is a floor no layout
+        # goes under. It restates nothing new (each term is one of the rows above); it is there
+        # because a fractional gate switches those rows off in the relaxation, which then sees
+        # no activation memory at all and bounds deep pipelines far too low (70B, 8 stages:
+        # no proof in 60 s).
+        # Likewise the stage's first layer, whose backward comes last: every other layer's
+        # gradients (or all of them) and the unsharded copies their backwards left are alive.
+        uab_all = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg)
+        for tag, held, first_bwd in (("b0", sc.b_first, True), ("b1", sc.b_later, False)):
+            if held is None:
+                continue
+            floor = min(mem[q].output + (mem[q].bwd_peak if first_bwd else mem[q].bwd_accum_peak) + mem[q].unsharded
+                        for q in seg)
+            add_memory_row(prob, compute_static + held * per_mb + pmb + prefix + u_prefix + floor
+                           + (0 if first_bwd else grads_all), limit, None, f"cut_mem_s{s}_{tag}_last_layer")
+            others = (grads_all - max(mem[q].grads for q in seg)) if first_bwd else grads_all
+            add_memory_row(prob, compute_static + held * per_mb + pmb + others + uab_all
+                           - max(mem[q].unsharded_after_backward for q in seg) + floor, limit, None,
+                           f"cut_mem_s{s}_{tag}_first_layer")
         if last_stage:
             lm = loss.memory
             x_extra = lm.input * (1 - loss_kp)
@@ -408,7 +433,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     for s in range(S):
         last_stage = s == S - 1
-        seg = [(r, c) for r in range(R) for c in choices]      # the stage's segments, in order
+        seg = [(r, c) for r in range(R) for c in open_to[r]]   # the stage's segments, in order
         stage_in = lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
         stage_out = (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
                      else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
@@ -434,7 +459,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # -- host memory: a node's ranks together keep their offloaded states within its host memory
     if limit is not None and any(cost[k].memory.host for k in cost):
         host_limit = model.hw.usable_host_bytes()
-        stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for r in range(R) for c in choices if c.offload)
+        stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for r in range(R) for c in open_to[r] if c.offload)
                       for s in range(S)]
         for kind, counts in enumerate(model.ranks_per_stage_on_nodes(cand)):   # CostModel.host_peak_bytes, as rows
             node = lp.lin_sum(n * h for n, h in zip(counts, stage_host) if n)
@@ -446,10 +471,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and
     # misses this; with it, balanced layouts of identical layers are proven optimal at once.
-    fastest = sorted(min(cost[r, c].micro_batch_s for c in choices) for r, (_, length) in enumerate(runs) for _ in range(length))
+    fastest = sorted(min(cost[r, c].micro_batch_s for c in open_to[r]) for r, (_, length) in enumerate(runs) for _ in range(length))
     prob += tau >= sum(fastest[: -(-n // S)]) * MS, "cut_fullest_stage"
     for r, (_, length) in enumerate(runs):
-        t_r = min(cost[r, c].micro_batch_s for c in choices)
+        t_r = min(cost[r, c].micro_batch_s for c in open_to[r])
         prob += tau >= -(-length // S) * t_r * MS, f"cut_fullest_stage_run{r}"   # some stage holds ceil(len/S) of run r
 
     if fixed is not None:
@@ -481,7 +506,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     for s in range(S):
         layers = []
         for r in range(R):
-            for c in choices:
+            for c in open_to[r]:
                 for _ in range(round(L[r, s, c].value())):
                     layers.append((placed[r], c.checkpoint, c.offload))
                     placed[r] += 1

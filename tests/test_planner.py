@@ -13,7 +13,7 @@ from planner.cost import Candidate, CostModel, zero_model_state_bytes
 from planner.hardware import PRESETS, Hardware
 from planner.memory import in_flight, schedule_actions
 from planner.milp import choices_for, runs_of, solve_layout
-from planner.search import SolveOptions, enumerate_candidates, search
+from planner.search import SolveOptions, enumerate_candidates, fastest_choices, search
 from tests.synthetic import random_profile
 
 
@@ -120,6 +120,31 @@ def test_milp_equals_brute_force(seed, solver, byte_scale, overlap):
         assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
         checked += 1
     assert checked or not cands or True
+
+
+@pytest.mark.parametrize("seed, overlap", [(k, None) for k in range(400, 408)] + [(k, 1.0) for k in range(408, 416)])
+def test_memory_free_choices_keep_the_fastest_layout(seed, overlap):
+    """search.fastest_choices drops, run by run, the choices no fastest layout needs
+    (dominated ones, and checkpointing where un-checkpointing never slows the step); the
+    memory-free MILP over what is left is as fast as brute force over every choice."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    gpus = rng.choice([1, 2, 4, 8])
+    prof = random_profile(rng, n, repeat_runs=True)
+    hw = cpu_like(1 << 50, overlap)               # overlap 1: recompute can hide collectives
+    model = CostModel(prof, hw, 8, 1 << 50)       # nothing is short of memory
+    opts = SolveOptions(gpus=gpus, hardware=hw, global_batch=gpus * 4, offload="auto")
+    cands = list(enumerate_candidates(prof, opts))
+    rng.shuffle(cands)
+    pruned = 0
+    for cand in cands[:4]:
+        choices = choices_for("auto", "auto", cand.allow_offload)
+        per_run = fastest_choices(model, cand, choices)
+        pruned += sum(len(choices) - len(o) for o in per_run)
+        layout = solve_layout(model, cand, choices, memory=False, run_choices=per_run)
+        assert layout.status == "optimal"
+        assert model.evaluate(cand, layout.stages).step_s == pytest.approx(brute_force(model, cand, choices), rel=1e-6, abs=1e-12)
+    assert pruned > 0 or not cands
 
 
 def test_runs_group_identical_neighbours():
