@@ -27,6 +27,7 @@ stage's once-per-step work `omega`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -39,6 +40,7 @@ from .cost import Candidate, CostModel, must_offload
 from .memory import schedule_actions
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
+CUTOFF_SLACK = 1e-6        # a cutoff keeps layouts this much above it (exact ties stay)
 LOWER_BOUND_SLACK = 1e-12   # a proven bound enters as a row this much below it (rounding between two MILPs' sums)
 MS = 1e3                # time rows in milliseconds, memory rows as a fraction of the limit: keeps
                         # coefficients near 1, without which CBC's cuts can cut off the optimum
@@ -154,12 +156,32 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # L[r,s,c]: layers of run r in stage s with choice c.
     n = prof.n_layers
 
+    # -- layer costs per (run, choice); every layer of a run costs the same -----------------
+    cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in open_to[r]}
+    loss = model.loss(cand)
+    fastest_in_run = [min(cost[r, c].micro_batch_s for c in open_to[r]) for r in range(R)]
+
+    # Under a cutoff, no stage of a layout that meets it is slower per micro-batch than
+    # tau_most: the step is at least every layer's fastest time, the loss and the boundaries'
+    # latency once, plus m - 1 times the slowest stage (CostModel.pipeline_step_s). So no
+    # stage holds more of a run than tau_most over the run's fastest layer allows. As bounds
+    # on the variables these shrink every big-M the rows derive from them.
+    tau_most = None
+    if cutoff is not None and m > 1:
+        one_boundary = model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch if S > 1 else 0.0
+        least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.compute_s + 2 * (S - 1) * one_boundary
+        tau_most = (cutoff * (1 + CUTOFF_SLACK) - least) / (m - 1)
+
     def most(r: int, s: int) -> int:
         """How many of run r's layers stage s can hold: layer i fits stage s only if the s
-        stages before it and the S - 1 - s after it can each get a layer."""
+        stages before it and the S - 1 - s after it can each get a layer; and, under a
+        cutoff, only as many as tau_most allows."""
         start, length = runs[r]
         lo, hi = max(start, s), min(start + length - 1, n - S + s)
-        return max(0, hi - lo + 1)
+        count = max(0, hi - lo + 1)
+        if tau_most is not None and fastest_in_run[r] > 0:
+            count = min(count, max(0, math.floor(tau_most / fastest_in_run[r] * (1 + 1e-9))))
+        return count
 
     L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, most(r, s), cat="Integer")
          for r in range(R) for s in range(S) for c in open_to[r]}
@@ -182,9 +204,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     stage_times = {}                             # each stage's time per micro-batch (ms), built below
 
-    # -- layer costs per (run, choice); every layer of a run costs the same -----------------
-    cost = {(r, c): model.layer(cand, runs[r][0], c.checkpoint, c.offload) for r in range(R) for c in open_to[r]}
-    loss = model.loss(cand)
 
     # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
     for r, (start, length) in enumerate(runs):
@@ -202,11 +221,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     if must_offload(cand, prof.precision):
         prob += lp.lin_sum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
     for k in gates:
-        length = runs[k[0]][1]
+        most_k = L[k].hi                           # the most layers the segment can hold
         prob += L[k] >= e[k], f"e_{L[k].name[2:]}_lo"
-        prob += L[k] <= length * e[k], f"e_{L[k].name[2:]}_hi"
+        prob += L[k] <= most_k * e[k], f"e_{L[k].name[2:]}_hi"
         prob += L[k] >= 2 * f[k], f"f_{L[k].name[2:]}_lo"
-        prob += L[k] <= 1 + length * f[k], f"f_{L[k].name[2:]}_hi"
+        prob += L[k] <= 1 + max(0, most_k - 1) * f[k], f"f_{L[k].name[2:]}_hi"
 
     def first_in(r: int, s: int):
         """1 if stage s (s >= 1) starts inside run r."""
@@ -381,7 +400,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     if k not in three:
                         three[k] = prob.add_variable(f"h_{name}", cat="Binary")   # the segment has three or more layers
                         prob += L[k] >= 3 * three[k], f"h_{name}_lo"
-                        prob += L[k] <= 2 + runs[r][1] * three[k], f"h_{name}_hi"
+                        prob += L[k] <= 2 + max(0, L[k].hi - 2) * three[k], f"h_{name}_hi"
                     h = three[k]
                     rows += [("second", a_first + a_in, grads(L[k] - 2), 2, L[k] - 2, own_bflat, lm.reduce_flat, h),
                              ("penultimate", total - a_in, grads(1), L[k] - 1, 1, own_bflat, lm.reduce_flat, h)]
@@ -497,7 +516,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # Only a layout that could enter the top K is wanted. The bound lets the solver discard
         # whole branches at once; proving nothing is under it is usually far quicker than
         # finding the candidate's own optimum. (The tolerance keeps exact ties.)
-        prob += step_time <= cutoff * MS * (1 + 1e-6), "cutoff_kth_best_step_time"
+        prob += step_time <= cutoff * MS * (1 + CUTOFF_SLACK), "cutoff_kth_best_step_time"
 
     status = _solve(prob, solver, time_limit)
     if cutoff is not None and status == "infeasible":

@@ -267,6 +267,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "
                             "their compute is costed slower by as many as are busy at once (docs/cost-model.md)")
     misses: list[tuple[int, Candidate]] = []     # (memory lower bound, candidate) of those that do not fit
+    known: dict[Candidate, float] = {}           # candidate -> a step time one of its fitting layouts reaches (exact, or seeded)
+    seeded = False
     one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     free_layouts: dict[Candidate, Layout] = {}   # 1F1B twin -> its memory-free MILP's answer
     for k, (bound, cand) in enumerate(bounded):
@@ -281,9 +283,12 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             result.infeasible += 1
             misses.append((need, cand))
             continue
-        # Once K layouts are in hand, a candidate matters only if it can beat the K-th.
-        full = len(result.solutions) >= opts.top_k
-        cutoff = result.solutions[opts.top_k - 1].prediction.step_s if full else None
+        # Once K candidates are known to reach some step time, a candidate matters only if it
+        # can beat the K-th smallest of those: the K best optima are no slower.
+        if not seeded and len(known) < opts.top_k and not one_stage_without_milp(model, cand, choices):
+            known = {**seed_steps(model, opts, bounded[k:]), **known}   # before the first MILP without a cutoff
+            seeded = True
+        cutoff = sorted(known.values())[opts.top_k - 1] if len(known) >= opts.top_k else None
         # The fastest layout with no memory limit (the memory-free MILP, no memory rows) is a
         # lower bound for this candidate, and when it fits, the candidate's optimum.
         # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
@@ -309,6 +314,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 result.free_fits += 1
                 if cand.schedule == "1f1b" and cand.pp > 1:
                     one_f_one_b[cand] = free_pred.step_s
+                known[cand] = free_pred.step_s
                 result.solutions.append(Solution(cand, free_stages, free_pred))
                 result.solutions.sort(key=_rank)
                 del result.solutions[opts.top_k:]
@@ -324,7 +330,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         if layout.status == "time limit":
             result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
-        if layout.stages is None and full:
+        if layout.stages is None and cutoff is not None:
             # Stopped at the time limit before finding a layout faster than the K-th best.
             result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit before finding a layout "
                                 f"faster than the {opts.top_k}th best; not proven slower")
@@ -345,6 +351,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         if cand.schedule == "1f1b" and cand.pp > 1:
             one_f_one_b[cand] = pred.step_s
+        known[cand] = pred.step_s
         result.solutions.append(Solution(cand, stages, pred))
         result.solutions.sort(key=_rank)
         del result.solutions[opts.top_k:]
@@ -389,10 +396,47 @@ def frugal_fit(profile: Profile, opts: SolveOptions) -> Candidate | None:
 def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, bool, bool]]]:
     """Layers split evenly over the stages, each with the choice that keeps the least on the
     device (checkpointed, and offloaded where offload is open)."""
-    c = max(choices, key=lambda ch: (ch.offload, ch.checkpoint))
+    return uniform_layout(model, cand, max(choices, key=lambda ch: (ch.offload, ch.checkpoint)))
+
+
+def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, bool, bool]]]:
+    """Layers split evenly over the stages, every one with choice c."""
     n, pp = model.profile.n_layers, cand.pp
     bounds = [round(k * n / pp) for k in range(pp + 1)]
     return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(pp)]
+
+
+SEED_TRIED = 4   # seeding the cutoff: candidates tried per layout wanted (top K), in bound order
+
+
+def seed_steps(model: CostModel, opts: SolveOptions, bounded) -> dict[Candidate, float]:
+    """Step times some candidates are known to reach, before any MILP: of each candidate in
+    bound order, the fastest fitting layout that splits layers evenly with one choice for all,
+    until K candidates have one (or SEED_TRIED x K were tried). Each is an upper bound on its
+    candidate's optimum, so the K-th smallest is a cutoff from the start: the K best optima are
+    no slower. Without it the first K candidates, the lowest bounds, ran without a cutoff, and
+    the deep pipelines among them took 10-20 s each to be solved to optimality only to be
+    beaten (80 GPT blocks on 8192 GPUs: four such MILPs, 69 s)."""
+    seeds: dict[Candidate, float] = {}
+    for k, (_, cand) in enumerate(bounded):
+        if len(seeds) >= opts.top_k or k >= SEED_TRIED * opts.top_k:
+            break
+        choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
+        if memory_lower_bound(model, cand, choices) > model.memory_limit:
+            continue
+        fitting = [p.step_s for p in (model.evaluate(cand, uniform_layout(model, cand, c)) for c in choices
+                                      if c.offload or not must_offload(cand, model.precision)) if p.fits]
+        if fitting:
+            seeds[cand] = min(fitting)
+    return seeds
+
+
+def one_stage_without_milp(model: CostModel, cand: Candidate, choices) -> bool:
+    """Whether the candidate is one stage whose memory-free layout needs no MILP (memory_free_layout)."""
+    if cand.pp > 1:
+        return False
+    per_run = fastest_choices(model, cand, choices)
+    return all(len(o) == 1 for o in per_run)
 
 
 FREE_TIME_LIMIT_S = 2.0   # the memory-free MILP is a shortcut: past this, the full MILP decides
