@@ -18,7 +18,7 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
-from .milp import Layout, choices_for, runs_of, solve_layout
+from .milp import CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
 from .plan import tp_within_nodes, wraps_layers
 
 
@@ -268,7 +268,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                             "their compute is costed slower by as many as are busy at once (docs/cost-model.md)")
     misses: list[tuple[int, Candidate]] = []     # (memory lower bound, candidate) of those that do not fit
     known: dict[Candidate, float] = {}           # candidate -> a step time one of its fitting layouts reaches (exact, or seeded)
-    seeded = False
+    seeds: dict[Candidate, tuple[float, list]] | None = None   # seed_steps: (step time, layout), made once
     one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     free_layouts: dict[Candidate, Layout] = {}   # 1F1B twin -> its memory-free MILP's answer
     for k, (bound, cand) in enumerate(bounded):
@@ -285,10 +285,13 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         # Once K candidates are known to reach some step time, a candidate matters only if it
         # can beat the K-th smallest of those: the K best optima are no slower.
-        if not seeded and len(known) < opts.top_k and not one_stage_without_milp(model, cand, choices):
-            known = {**seed_steps(model, opts, bounded[k:]), **known}   # before the first MILP without a cutoff
-            seeded = True
+        if seeds is None and len(known) < opts.top_k and not one_stage_without_milp(model, cand, choices):
+            seeds = seed_steps(model, opts, bounded[k:])           # before the first MILP without a cutoff
+            known = {**{c: step for c, (step, _) in seeds.items()}, **known}
         cutoff = sorted(known.values())[opts.top_k - 1] if len(known) >= opts.top_k else None
+        if cutoff is not None and bound > cutoff * (1 + CUTOFF_SLACK):
+            result.pruned += 1                 # its bound alone says it cannot beat the K-th
+            continue
         # The fastest layout with no memory limit (the memory-free MILP, no memory rows) is a
         # lower bound for this candidate, and when it fits, the candidate's optimum.
         # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
@@ -299,7 +302,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             free, milps = memory_free_layout(model, cand, choices, opts, cutoff)
             result.free_solved += milps
             free_layouts[twin] = free
-        if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + 1e-6):
+        if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + CUTOFF_SLACK):
             free = Layout("cut off", None, None)
         if free.status == "cut off":           # not even without a memory limit faster than the K-th
             result.pruned += 1
@@ -330,24 +333,34 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         if layout.status == "time limit":
             result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
-        if layout.stages is None and cutoff is not None:
+        seed = (seeds or {}).get(cand)
+        stages = pred = None
+        if layout.stages is not None:
+            stages = simplify(model, cand, layout.stages, keep_checkpoints=opts.checkpoint == "all")
+            pred = model.evaluate(cand, stages)
+            if not pred.fits:
+                # The MILP's rows are the walk's records, so this means a solver tolerance let a
+                # layout through that the cost model says does not fit: never list it.
+                result.notes.append(f"{cand.describe()}: the solver's layout peaks at {pred.peak_bytes / 2**30:.2f} GiB, "
+                                    "over the limit by the cost model; left out")
+                stages = pred = None
+        if seed is not None and (pred is None or pred.step_s > seed[0]):
+            # A seeded candidate counts in the cutoff, so it is listed with its seed layout where
+            # the solver found nothing better in its time: the cutoff's promise is kept.
+            result.notes.append(f"{cand.describe()}: the solver found nothing faster than an even split in its "
+                                f"{opts.time_limit:.0f} s; that layout is listed, not proven optimal")
+            stages = seed[1]
+            pred = model.evaluate(cand, stages)
+        if pred is None and layout.stages is None and cutoff is not None:
             # Stopped at the time limit before finding a layout faster than the K-th best.
             result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit before finding a layout "
                                 f"faster than the {opts.top_k}th best; not proven slower")
             result.pruned += 1
             continue
-        if layout.stages is None:
+        if pred is None:
             result.infeasible += 1
-            misses.append((need, cand))
-            continue
-        stages = simplify(model, cand, layout.stages, keep_checkpoints=opts.checkpoint == "all")
-        pred = model.evaluate(cand, stages)
-        if not pred.fits:
-            # The MILP's rows are the walk's records, so this means a solver tolerance let a
-            # layout through that the cost model says does not fit: never list it.
-            result.notes.append(f"{cand.describe()}: the solver's layout peaks at {pred.peak_bytes / 2**30:.2f} GiB, "
-                                "over the limit by the cost model; left out")
-            result.infeasible += 1
+            if layout.stages is None:
+                misses.append((need, cand))
             continue
         if cand.schedule == "1f1b" and cand.pp > 1:
             one_f_one_b[cand] = pred.step_s
@@ -409,7 +422,7 @@ def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int,
 SEED_TRIED = 4   # seeding the cutoff: candidates tried per layout wanted (top K), in bound order
 
 
-def seed_steps(model: CostModel, opts: SolveOptions, bounded) -> dict[Candidate, float]:
+def seed_steps(model: CostModel, opts: SolveOptions, bounded) -> dict[Candidate, tuple[float, list]]:
     """Step times some candidates are known to reach, before any MILP: of each candidate in
     bound order, the fastest fitting layout that splits layers evenly with one choice for all,
     until K candidates have one (or SEED_TRIED x K were tried). Each is an upper bound on its
@@ -417,17 +430,22 @@ def seed_steps(model: CostModel, opts: SolveOptions, bounded) -> dict[Candidate,
     no slower. Without it the first K candidates, the lowest bounds, ran without a cutoff, and
     the deep pipelines among them took 10-20 s each to be solved to optimality only to be
     beaten (80 GPT blocks on 8192 GPUs: four such MILPs, 69 s)."""
-    seeds: dict[Candidate, float] = {}
+    seeds: dict[Candidate, tuple[float, list]] = {}
     for k, (_, cand) in enumerate(bounded):
         if len(seeds) >= opts.top_k or k >= SEED_TRIED * opts.top_k:
             break
+        if cand.pp > 1 and cand.schedule == "gpipe":
+            continue            # the search leaves out a GPipe layout that ties its 1F1B twin: no promise to keep
         choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
         if memory_lower_bound(model, cand, choices) > model.memory_limit:
             continue
-        fitting = [p.step_s for p in (model.evaluate(cand, uniform_layout(model, cand, c)) for c in choices
-                                      if c.offload or not must_offload(cand, model.precision)) if p.fits]
-        if fitting:
-            seeds[cand] = min(fitting)
+        for c in choices:
+            if must_offload(cand, model.precision) and not c.offload:
+                continue
+            stages = uniform_layout(model, cand, c)
+            pred = model.evaluate(cand, stages)
+            if pred.fits and (cand not in seeds or pred.step_s < seeds[cand][0]):
+                seeds[cand] = (pred.step_s, stages)
     return seeds
 
 

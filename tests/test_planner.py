@@ -272,6 +272,23 @@ def test_top_k_is_the_k_fastest_of_every_candidate(seed, share, overlap):
         assert result.free_fits > 0
 
 
+def test_seeded_cutoff_lists_its_seeds_when_the_solver_runs_out_of_time():
+    """The cutoff counts seeded candidates (an even split that fits) before any MILP; where a
+    MILP finds nothing in its time, the seed layout itself is listed, so the top K never runs
+    short of the K layouts the cutoff promised."""
+    rng = random.Random(3)
+    prof = random_profile(rng, 7)
+    hw = cpu_like(1 << 40)
+    one_device = CostModel(prof, hw, 8, 1 << 40).evaluate(Candidate(1, 1, 1, 1, 16, 0, "1f1b", False, False),
+                                                           [[(i, False, False) for i in range(prof.n_layers)]])
+    opts = SolveOptions(gpus=8, hardware=hw, global_batch=16, offload="none", top_k=3,
+                        memory_limit=int(one_device.peak_bytes * 0.7), time_limit=1e-4)
+    result = search(prof, opts)
+    assert len(result.solutions) == 3
+    assert all(sol.prediction.fits for sol in result.solutions)
+    assert any("even split" in note for note in result.notes)
+
+
 def test_tensor_parallel_degree_divides_the_head_counts():
     """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
     from planner.search import SolveError, check_options
