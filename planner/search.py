@@ -504,9 +504,10 @@ def fastest_choices(model: CostModel, cand: Candidate, choices: list) -> list[li
 def memory_free_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions,
                        cutoff: float | None) -> tuple[Layout, int]:
     """The candidate's fastest layout with no memory limit (a lower bound on its step, and its
-    optimum when it fits), and how many MILPs that took. Status "skipped" for one stage with
-    offload open: its memory MILP is small, and the shortcut is never needed for exactness.
-    One stage with one choice needs no MILP: every layer takes that choice."""
+    optimum when it fits), and how many MILPs that took. Status "skipped" for one stage where
+    some run keeps two or more choices (fastest_choices): its memory MILP is small, and the
+    shortcut is never needed for exactness. One stage with one choice per run needs no MILP:
+    every layer takes its run's choice."""
     fastest = fastest_choices(model, cand, choices)
     if cand.pp == 1 and any(len(open_) > 1 for open_ in fastest):
         return Layout("skipped", None, None), 0
