@@ -204,7 +204,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     stage_times = {}                             # each stage's time per micro-batch (ms), built below
 
-
     # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
     for r, (start, length) in enumerate(runs):
         prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in open_to[r]) == length, f"run{r}_all_layers_placed"
@@ -416,15 +415,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                                        + (0 if resharded else ahead), limit, gate, f"mem_{name}_{tag}_{where}_gather")
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
-        # Valid cut, the records above with their gates taken out: the stage's last layer runs
-        # its backward with everything the stage keeps alive, whichever segment it is in, so
-        # the smallest of those records over the stage's kinds of layer is a floor no layout
-        # goes under. It restates nothing new (each term is one of the rows above); it is there
-        # because a fractional gate switches those rows off in the relaxation, which then sees
-        # no activation memory at all and bounds deep pipelines far too low (70B, 8 stages:
-        # no proof in 60 s).
-        # Likewise the stage's first layer, whose backward comes last: every other layer's
-        # gradients (or all of them) and the unsharded copies their backwards left are alive.
+        # Valid cuts, the records above with their gates taken out. The stage's last layer runs
+        # its backward with everything the stage keeps alive, whichever segment it is in; its
+        # first layer runs its backward last, with every other layer's gradients (or all of
+        # them) and the unsharded copies their backwards left. The smallest of each record over
+        # the stage's kinds of layer is a floor no layout goes under. They restate nothing new
+        # (each term is one of the rows above); they are there because a fractional gate
+        # switches those rows off in the relaxation, which then saw no activation memory at all
+        # (70B, 8 stages of ZeRO-3: root bound 18.2 -> 18.6 s of the 19.0 s optimum; ZeRO-2's
+        # cutoff proof 9 s -> 2 s).
         uab_all = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg)
         for tag, held, first_bwd in (("b0", sc.b_first, True), ("b1", sc.b_later, False)):
             if held is None:
@@ -491,11 +490,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and
     # misses this; with it, balanced layouts of identical layers are proven optimal at once.
-    fastest = sorted(min(cost[r, c].micro_batch_s for c in open_to[r]) for r, (_, length) in enumerate(runs) for _ in range(length))
+    fastest = sorted(t for (_, length), t in zip(runs, fastest_in_run) for _ in range(length))
     prob += tau >= sum(fastest[: -(-n // S)]) * MS, "cut_fullest_stage"
-    for r, (_, length) in enumerate(runs):
-        t_r = min(cost[r, c].micro_batch_s for c in open_to[r])
-        prob += tau >= -(-length // S) * t_r * MS, f"cut_fullest_stage_run{r}"   # some stage holds ceil(len/S) of run r
+    for r, (_, length) in enumerate(runs):   # some stage holds ceil(len/S) of run r
+        prob += tau >= -(-length // S) * fastest_in_run[r] * MS, f"cut_fullest_stage_run{r}"
 
     if fixed is not None:
         for s, layers in enumerate(fixed):

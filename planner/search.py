@@ -285,7 +285,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             continue
         # Once K candidates are known to reach some step time, a candidate matters only if it
         # can beat the K-th smallest of those: the K best optima are no slower.
-        if seeds is None and len(known) < opts.top_k and not one_stage_without_milp(model, cand, choices):
+        needed = fastest_choices(model, cand, choices)     # per run, what a memory-free optimum can need
+        if seeds is None and len(known) < opts.top_k and not takes_its_choices(model, cand, needed):
             seeds = seed_steps(model, opts, bounded[k:])           # before the first MILP without a cutoff
             known = {**{c: step for c, (step, _) in seeds.items()}, **known}
         cutoff = sorted(known.values())[opts.top_k - 1] if len(known) >= opts.top_k else None
@@ -299,7 +300,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         twin = dataclasses.replace(cand, schedule="1f1b")
         free = free_layouts.get(twin)
         if free is None or free.status == "time limit":
-            free, milps = memory_free_layout(model, cand, choices, opts, cutoff)
+            free, milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
             result.free_solved += milps
             free_layouts[twin] = free
         if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + CUTOFF_SLACK):
@@ -449,12 +450,11 @@ def seed_steps(model: CostModel, opts: SolveOptions, bounded) -> dict[Candidate,
     return seeds
 
 
-def one_stage_without_milp(model: CostModel, cand: Candidate, choices) -> bool:
-    """Whether the candidate is one stage whose memory-free layout needs no MILP (memory_free_layout)."""
-    if cand.pp > 1:
-        return False
-    per_run = fastest_choices(model, cand, choices)
-    return all(len(o) == 1 for o in per_run)
+def takes_its_choices(model: CostModel, cand: Candidate, needed: list[list]) -> bool:
+    """Whether the candidate's memory-free optimum needs no MILP: one stage, one choice left per
+    run (fastest_choices), and an offloaded one among them where the candidate must offload."""
+    return (cand.pp == 1 and all(len(o) == 1 for o in needed)
+            and not (must_offload(cand, model.precision) and not any(o[0].offload for o in needed)))
 
 
 FREE_TIME_LIMIT_S = 2.0   # the memory-free MILP is a shortcut: past this, the full MILP decides
@@ -501,24 +501,23 @@ def fastest_choices(model: CostModel, cand: Candidate, choices: list) -> list[li
     return per_run
 
 
-def memory_free_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions,
+def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[list], opts: SolveOptions,
                        cutoff: float | None) -> tuple[Layout, int]:
     """The candidate's fastest layout with no memory limit (a lower bound on its step, and its
-    optimum when it fits), and how many MILPs that took. Status "skipped" for one stage where
-    some run keeps two or more choices (fastest_choices): its memory MILP is small, and the
-    shortcut is never needed for exactness. One stage with one choice per run needs no MILP:
-    every layer takes its run's choice."""
-    fastest = fastest_choices(model, cand, choices)
-    if cand.pp == 1 and any(len(open_) > 1 for open_ in fastest):
-        return Layout("skipped", None, None), 0
-    if cand.pp == 1 and not (must_offload(cand, model.precision) and not any(o[0].offload for o in fastest)):
+    optimum when it fits), and how many MILPs that took; `needed`: fastest_choices. Where it
+    takes its choices (takes_its_choices) every layer takes its run's one choice, no MILP.
+    Status "skipped" for one stage where some run keeps two or more choices: its memory MILP
+    is small, and the shortcut is never needed for exactness."""
+    if takes_its_choices(model, cand, needed):
         runs = runs_of([layer.signature for layer in model.profile.layers])
-        stages = [[(i, o[0].checkpoint, o[0].offload) for (start, length), o in zip(runs, fastest)
+        stages = [[(i, o[0].checkpoint, o[0].offload) for (start, length), o in zip(runs, needed)
                    for i in range(start, start + length)]]
         return Layout("optimal", stages, model.evaluate(cand, stages).step_s), 0
+    if cand.pp == 1 and any(len(o) > 1 for o in needed):
+        return Layout("skipped", None, None), 0
     limit = FREE_TIME_LIMIT_S if opts.time_limit is None else min(FREE_TIME_LIMIT_S, opts.time_limit)
     return solve_layout(model, cand, choices, opts.solver, time_limit=limit, memory=False, cutoff=cutoff,
-                        run_choices=fastest), 1
+                        run_choices=needed), 1
 
 
 def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:
