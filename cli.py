@@ -321,7 +321,7 @@ def solve(
     micro_batch: Optional[int] = typer.Option(None, help="Pin the micro-batch size."),
     zero: Optional[int] = typer.Option(None, help="Pin the ZeRO stage (0-3)."),
     schedule: Optional[str] = typer.Option(None, help="Pin the pipeline schedule: 1f1b | gpipe."),
-    checkpoint: str = typer.Option("auto", help="Activation checkpointing: none | all | auto."),
+    checkpoint: str = typer.Option("auto", help="Activation checkpointing, every layer pinned to one mode: none | selective (recompute all but matmuls and attention) | all (recompute the whole layer); or auto: each layer's mode solved."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
     wide: bool = WIDE,

@@ -135,14 +135,16 @@ def top_table(solutions, limit: int, wide: bool) -> Group:
     cols = ["#", "dp x tp x pp", "zero", "sched", "micro-batch", "ckpt", "off", "step s", "samples/s", "MFU",
             "peak"] + (["peak per stage"] if wide else [])
     title = (f"best layouts (peak memory in {unit}, within {format_size(limit)} per GPU; ckpt, off: layers "
-             "checkpointed, offloaded)")
+             "checkpointed (+ selectively), offloaded)")
     t = table(cols)
     for k, sol in enumerate(solutions):
         c, p = sol.candidate, sol.prediction
-        ck = sum(1 for st in sol.stages for _, x, _ in st if x)
+        full = sum(1 for st in sol.stages for _, x, _ in st if x == "full")
+        sel = sum(1 for st in sol.stages for _, x, _ in st if x == "selective")
+        ck = f"{full}" + (f"+{sel}" if sel else "")
         off = sum(1 for st in sol.stages for _, _, x in st if x)
         cells = [str(k + 1), f"{c.dp}x{c.tp}x{c.pp}", str(c.zero), c.schedule if c.pp > 1 else "-",
-                 f"{c.micro_batch_size} x {c.num_micro_batches}", str(ck), str(off), f"{p.step_s:.4g}",
+                 f"{c.micro_batch_size} x {c.num_micro_batches}", ck, str(off), f"{p.step_s:.4g}",
                  number(p.samples_per_s), f"{100 * p.mfu:.1f}%", number(p.peak_bytes / scale)]
         if wide:
             cells.append(" / ".join(number(s.memory.peak / scale) for s in p.stages))
@@ -158,11 +160,11 @@ def plan_table(plan, wide: bool) -> Group:
         + (["peak during"] if wide else [])
     title = (f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
               f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch} "
-              f"({unit} per GPU; ckpt, offload: which layers)")
+              f"({unit} per GPU; ckpt, offload: which layers; s: selectively checkpointed)")
     t = table(cols, left=("layers", "ckpt", "offload", "peak during"))
     for st, ps in rows:
         idx = [lc.index for lc in st.layers]
-        cells = [str(st.index), f"{idx[0]}-{idx[-1]}", ranges([lc.index for lc in st.layers if lc.checkpoint]),
+        cells = [str(st.index), f"{idx[0]}-{idx[-1]}", checkpoint_cell(st.layers),
                  ranges([lc.index for lc in st.layers if lc.offload])] + \
             [number(v / scale) for v in (ps.weights_bytes, ps.grads_bytes, ps.optimizer_bytes, ps.activations_bytes,
                                          ps.buffers_bytes, ps.peak_bytes)]
@@ -170,6 +172,13 @@ def plan_table(plan, wide: bool) -> Group:
             cells.append(ps.peak_phase)
         t.add_row(*cells)
     return titled(title, t)
+
+
+def checkpoint_cell(layers) -> str:
+    """The stage's checkpointed layers: fully, then selectively ("s")."""
+    full = ranges([lc.index for lc in layers if lc.checkpoint == "full"])
+    sel = ranges([lc.index for lc in layers if lc.checkpoint == "selective"])
+    return " ".join(x for x in (full if full != "-" else "", f"s {sel}" if sel != "-" else "") if x) or "-"
 
 
 def memory_check_table(rows, title: str, tolerance: float) -> tuple[Group, float]:

@@ -31,7 +31,8 @@ def summary(sol: Solution) -> dict:
     return {
         "dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero,
         "schedule": c.schedule, "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
-        "checkpointed_layers": [i for st in sol.stages for i, ck, _ in st if ck],
+        "checkpointed_layers": [i for st in sol.stages for i, ck, _ in st if ck == "full"],
+        "selective_layers": [i for st in sol.stages for i, ck, _ in st if ck == "selective"],
         "offloaded_layers": [i for st in sol.stages for i, _, off in st if off],
         "stage_layers": [[i for i, _, _ in st] for st in sol.stages],
         "step_time_s": p.step_s, "samples_per_s": p.samples_per_s, "mfu": p.mfu,
@@ -49,7 +50,7 @@ def launch_command(world_size: int, gpus_per_node: int, plan_path: str) -> str:
 def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_path: str, hw: Hardware,
                opts: SolveOptions, memory_limit: int, plan_path: str) -> Plan:
     c = sol.candidate
-    stages = [Stage(index=s, layers=[LayerChoice(i, bool(ck), bool(off), unit=fsdp_unit(c.fsdp, c.zero, bool(off)))
+    stages = [Stage(index=s, layers=[LayerChoice(i, ck, bool(off), unit=fsdp_unit(c.fsdp, c.zero, bool(off)))
                                      for i, ck, off in st])
               for s, st in enumerate(sol.stages)]
     return Plan(
@@ -82,7 +83,8 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
     if result.closest:
         pred = result.closest
         cand, need = pred.candidate, pred.peak_bytes
-        frugal = [w for w, on in (("checkpointed", opts.checkpoint != "none"),
+        frugal = [w for w, on in (("selectively checkpointed" if opts.checkpoint == "selective" else "checkpointed",
+                                   opts.checkpoint != "none"),
                                   ("offloaded", opts.offload == "auto" and cand.allow_offload)) if on]
         layout = f"{cand.describe()}{', every layer ' + ' and '.join(frugal) if frugal else ''}"
         if need > memory_limit:
@@ -105,7 +107,7 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
             break
     if opts.micro_batch and opts.micro_batch > 1:
         lines.append("A smaller --micro-batch (or leaving it unpinned) lowers activation memory.")
-    if opts.checkpoint == "none" or opts.offload == "none":
+    if opts.checkpoint in ("none", "selective") or opts.offload == "none":
         lines.append("Allowing --checkpoint auto and --offload auto lowers memory further.")
     return lines
 

@@ -25,7 +25,9 @@ How each knob is costed (it mirrors what runtime/ does):
   hardware's pipeline overhead and the activation's bytes both ways).
 - CPU processes: a rank's compute is slowed where more ranks are busy than the cores run at
   full speed (compute_scale); FSDP2 units add their measured hooks and copies.
-- checkpointing: the layer's checkpointed figures; its forward runs again in backward.
+- checkpointing: the layer's figures under its mode (full: keeps its input, runs the whole
+  forward again in backward; selective: keeps its matmuls' and attention's outputs too and
+  runs the rest again, measured by the profiler).
 - offload: the layer's parameters, gradients and optimizer states leave the device; each
   micro-batch copies its parameter shard in (forward and backward) and its gradient shard
   out; the host runs the optimizer step for them.
@@ -40,7 +42,7 @@ from profiles.schema import LayerProfile, LayerSample, Profile, splits_evenly
 
 from .hardware import PRESETS, Hardware
 from .memory import LayerMemory, StageMemory, schedule_actions, walk_stage
-from .plan import fsdp_unit, wraps_layers
+from .plan import checkpoint_mode, fsdp_unit, wraps_layers
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
@@ -195,7 +197,9 @@ class CostModel:
             self._cache[key] = self.profile.layers[i].at_tp(b, tp)
         return self._cache[key]
 
-    def layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
+    def layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:
+        """Layer i under the candidate, checkpointed in mode `checkpoint` (CHECKPOINT_MODES), offloaded or not."""
+        checkpoint = checkpoint_mode(checkpoint)
         key = (self._layer_key(cand), i, checkpoint, offload)
         if key not in self._cache:
             self._cache[key] = self._layer(cand, i, checkpoint, offload)
@@ -221,7 +225,7 @@ class CostModel:
             self._cache[key] = LayerCost(mem, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops, forward_s=f)
         return self._cache[key]
 
-    def _layer(self, cand: Candidate, i: int, checkpoint: bool, offload: bool) -> LayerCost:
+    def _layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:
         lp = self.profile.layers[i]
         s = self.sample(i, cand.micro_batch_size, cand.tp)
         d, t = cand.dp, cand.tp
@@ -250,9 +254,12 @@ class CostModel:
         if offload:
             weights = grads = optim = 0
 
-        if checkpoint:
+        if checkpoint == "full":
             own, keeps_in, keeps_out = s.ckpt_saved_bytes, True, False
             fwd_t, bwd_p, bwd_a = s.ckpt_fwd_transient_bytes, s.ckpt_bwd_peak_bytes, s.ckpt_bwd_accum_peak_bytes
+        elif checkpoint == "selective":
+            own, keeps_in, keeps_out = s.sac_saved_bytes, True, s.sac_saved_output_bytes > 0
+            fwd_t, bwd_p, bwd_a = s.sac_fwd_transient_bytes, s.sac_bwd_peak_bytes, s.sac_bwd_accum_peak_bytes
         else:
             own = s.saved_bytes - s.saved_input_bytes - s.saved_output_bytes
             keeps_in, keeps_out = s.saved_input_bytes > 0, s.saved_output_bytes > 0
@@ -276,7 +283,7 @@ class CostModel:
             # accumulate, and a resharded-after-forward layer keeps its copy after backward.
             fsdp_mem.update(step_grads=grads, final_reduce_flat=rs_bytes)
             grads = full_numel * self.compute_isz
-            bwd_a = s.ckpt_bwd_accum_peak_bytes if checkpoint else s.bwd_accum_peak_bytes
+            bwd_a = {"full": s.ckpt_bwd_accum_peak_bytes, "selective": s.sac_bwd_accum_peak_bytes}.get(checkpoint, s.bwd_accum_peak_bytes)
             if mode == "shard":
                 fsdp_mem.update(unsharded_after_backward=unsharded)
         elif mode != "plain":
@@ -291,15 +298,20 @@ class CostModel:
 
         # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
-        compute = fwd_s + bwd_s + (fwd_s if checkpoint else 0.0)
+        recompute = {"full": fwd_s, "selective": self._sac_recompute_s(s, fwd_s)}.get(checkpoint, 0.0)
+        compute = fwd_s + bwd_s + recompute
         if self.measured_here and mode != "plain":
             compute += lp.fsdp_overhead_s.get(mode, 0.0)   # the unit's hooks and buffer copies, measured
         scale = self.compute_scale(cand)
         compute *= scale
-        # TP all-reduces sit on the critical path; a checkpointed layer runs its forward's again.
+        # TP all-reduces sit on the critical path; a fully checkpointed layer runs its forward's
+        # again, a selective one whatever its backward was measured to run.
         tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
-        tp_comm = tp_fwd * (2 if checkpoint else 1) \
-            + self.collective_s("all_reduce", s.tp_bwd_comm_bytes, t, cand, count=s.tp_bwd_comm_count)
+        if checkpoint == "selective":
+            tp_comm = tp_fwd + self.collective_s("all_reduce", s.sac_tp_bwd_comm_bytes, t, cand, count=s.sac_tp_bwd_comm_count)
+        else:
+            tp_comm = tp_fwd * (2 if checkpoint == "full" else 1) \
+                + self.collective_s("all_reduce", s.tp_bwd_comm_bytes, t, cand, count=s.tp_bwd_comm_count)
         gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t)
         reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t)
         fsdp_comm = sync = 0.0
@@ -326,7 +338,14 @@ class CostModel:
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
-                         forward_s=fwd_s * scale, recompute_s=(fwd_s if checkpoint else 0.0) * scale)
+                         forward_s=fwd_s * scale, recompute_s=recompute * scale)
+
+    def _sac_recompute_s(self, s: LayerSample, fwd_s: float) -> float:
+        """What selective checkpointing runs again in backward: as measured here, else (times
+        from the roofline) the same share of this hardware's forward as where it was measured."""
+        if self.measured_here or s.fwd_s <= 0:
+            return s.sac_recompute_s
+        return fwd_s * s.sac_recompute_s / s.fwd_s
 
     def compute_scale(self, cand: Candidate) -> float:
         """How much slower a rank computes than the profile measured (one process alone), on
@@ -385,12 +404,12 @@ class CostModel:
         return numel * touches * self.store_isz / self.hw.memory_bandwidth()
 
     # -- a whole layout -------------------------------------------------------------------
-    def stage_costs(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[list[LayerCost], LayerCost | None]:
+    def stage_costs(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[list[LayerCost], LayerCost | None]:
         costs = [self.layer(cand, i, ck, off) for i, ck, off in choices]
         last = choices[-1][0] == self.profile.n_layers - 1
         return costs, (self.loss(cand) if last else None)
 
-    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[int, int, int]:
+    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[int, int, int]:
         """Bytes outside the layers: (alive all step, per in-flight micro-batch, in a forward
         that follows a backward).
 
@@ -425,13 +444,13 @@ class CostModel:
         return (int(self.profile.batch["input_bytes_per_sample"] * b * m) if is_first else 0) \
             + (int(self.profile.batch["target_bytes_per_sample"] * b * m) if is_last else 0)
 
-    def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
+    def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> StageMemory:
         key = ("stage", cand, stage, tuple(choices))
         if key not in self._cache:
             self._cache[key] = self._stage_memory(cand, stage, choices)
         return self._cache[key]
 
-    def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> StageMemory:
+    def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> StageMemory:
         costs, loss = self.stage_costs(cand, stage, choices)
         static, per_mb, after_backward = self.stage_buffers(cand, stage, choices)
         actions = schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches)
@@ -440,12 +459,12 @@ class CostModel:
                           after_backward_buffers=after_backward, reshard_after_backward=cand.pp == 1,
                           input_is_held=True)
 
-    def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> tuple[float, float]:
+    def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
         terms = self.stage_terms(cand, stage, choices)
         return terms.per_micro_batch, terms.once_per_step
 
-    def stage_terms(self, cand: Candidate, stage: int, choices: list[tuple[int, bool, bool]]) -> TimeTerms:
+    def stage_terms(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> TimeTerms:
         costs, loss = self.stage_costs(cand, stage, choices)
         first, last = choices[0][0], choices[-1][0]
         terms = self.time_terms(
@@ -490,7 +509,7 @@ class CostModel:
             nbytes += self.sample(last, b, cand.tp).output_bytes
         return nbytes
 
-    def evaluate(self, cand: Candidate, stages: list[list[tuple[int, bool, bool]]]) -> Prediction:
+    def evaluate(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> Prediction:
         """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order."""
         preds = []
         for s, choices in enumerate(stages):
@@ -545,7 +564,7 @@ class CostModel:
         fullest = max(preds, key=lambda p: p.step_extra_s)
         step = self.pipeline_step_s(m, sum(p.micro_batch_s for p in preds), slowest.micro_batch_s,
                                     fullest.step_extra_s)
-        flops = sum(self.layer(cand, i, False, False).model_flops for i in range(self.profile.n_layers)) \
+        flops = sum(self.layer(cand, i, "none", False).model_flops for i in range(self.profile.n_layers)) \
             + self.loss(cand).model_flops
         # Per step: every dp replica runs m micro-batches; TP ranks each did 1/tp of the FLOPs
         # already (the profile's tp figures), so count tp of them.

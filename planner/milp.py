@@ -10,7 +10,8 @@ Identical layers share variables. The model is cut into *runs* of consecutive id
 layers (a GPT: embedding, N blocks, head). For each run r, stage s and choice c (a
 checkpoint / offload combination) one integer variable counts the run's layers in that
 stage with that choice; inside a stage a run's layers appear in a fixed order of choices
-(checkpointed first: their recompute spike then meets the least kept activation memory).
+(fully checkpointed first, then selective, then none: the larger a layer's recompute spike,
+the earlier, where it meets the least kept activation memory).
 So the problem's size depends on the number of runs and stages, not on depth.
 
 Memory is exact for this layout space: within a homogeneous segment (same run, same choice)
@@ -38,6 +39,7 @@ from . import lp
 
 from .cost import Candidate, CostModel, must_offload
 from .memory import schedule_actions
+from .plan import checkpoint_mode
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
 CUTOFF_SLACK = 1e-6        # a cutoff keeps layouts this much above it (exact ties stay)
@@ -48,11 +50,11 @@ MS = 1e3                # time rows in milliseconds, memory rows as a fraction o
 
 @dataclass(frozen=True)
 class Choice:
-    checkpoint: bool
+    checkpoint: str          # planner.plan.CHECKPOINT_MODES
     offload: bool
 
     def tag(self) -> str:
-        return ("ck" if self.checkpoint else "pl") + ("_off" if self.offload else "")
+        return {"none": "pl", "selective": "sel", "full": "ck"}[self.checkpoint] + ("_off" if self.offload else "")
 
 
 def runs_of(signatures: list[str]) -> list[tuple[int, int]]:
@@ -101,7 +103,7 @@ class Layout:
     """The MILP's answer: per stage, (layer, checkpoint, offload) in order; or why not."""
 
     status: str                                   # "optimal" | "infeasible" | "cut off" | "time limit" | "skipped" (search: not asked) | solver status
-    stages: list[list[tuple[int, bool, bool]]] | None
+    stages: list[list[tuple[int, str, bool]]] | None
     objective: float | None
 
 
@@ -136,7 +138,7 @@ def add_bytes_bound(prob: lp.Model, lhs, rhs, limit: int, name: str) -> None:
 
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
-                 time_limit: float | None = None, fixed: list[list[tuple[int, bool, bool]]] | None = None,
+                 time_limit: float | None = None, fixed: list[list[tuple[int, str, bool]]] | None = None,
                  memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None,
                  run_choices: list[list[Choice]] | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
@@ -500,7 +502,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for (r, s2, c), var in L.items():
                 if s2 == s:
                     start, length = runs[r]
-                    count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(ck, off) == c)
+                    count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(checkpoint_mode(ck), off) == c)
                     prob += var == count, f"fixed_{var.name}"
 
     if lower_bound is not None:
@@ -522,7 +524,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     if status not in ("optimal", "time limit"):
         return Layout(status, None, None)
 
-    stages: list[list[tuple[int, bool, bool]]] = []
+    stages: list[list[tuple[int, str, bool]]] = []
     placed = {r: runs[r][0] for r in range(R)}
     for s in range(S):
         layers = []
@@ -580,9 +582,13 @@ def _no_banner():
         os.close(saved)
 
 
+CHECKPOINT_FLAGS = {          # --checkpoint: the modes open to every layer, in canonical order
+    "none": ["none"], "selective": ["selective"], "all": ["full"], "auto": ["full", "selective", "none"]}
+
+
 def choices_for(checkpoint: str, offload: str, allow_offload: bool) -> list[Choice]:
-    """The per-layer choices open to the solver (checkpoint: none|all|auto; offload: none|auto)."""
-    cks = {"none": [False], "all": [True], "auto": [True, False]}[checkpoint]
+    """The per-layer choices open to the solver (checkpoint: CHECKPOINT_FLAGS; offload: none|auto)."""
+    cks = CHECKPOINT_FLAGS[checkpoint]
     offs = [True, False] if (offload == "auto" and allow_offload) else [False]
-    # Canonical order inside a run's stretch of a stage: checkpointed before not, offloaded before not.
+    # Canonical order inside a run's stretch of a stage: full, selective, none; offloaded before not.
     return [Choice(ck, off) for ck, off in product(cks, offs)]

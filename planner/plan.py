@@ -14,8 +14,22 @@ from pathlib import Path
 
 from profiles.schema import OPTIMIZERS, PRECISIONS, read_json_document, write_json_atomic
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3   # 3: a layer's checkpoint is a mode (CHECKPOINT_MODES), not true / false
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# How much of a layer's forward its backward runs again (profiles/checkpointing.py applies them):
+#   none       nothing: autograd keeps what the layer's ops save
+#   selective  keeps its input and the outputs of its compute-heavy ops (matmuls, attention,
+#              collectives), recomputes the rest (elementwise ops, norms) in backward
+#   full       keeps only its input, recomputes the whole forward in backward
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+def checkpoint_mode(value) -> str:
+    """A checkpoint mode from a mode or from the true / false of code written before there
+    were three (True: "full"); anything else is returned as it is, for validation to refuse."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value
 # What the runtime makes of a layer for data parallelism (runtime/parallelize.apply_fsdp):
 #   plain       no wrapper at all (one rank, nothing offloaded, no mixed precision)
 #   replicate   FSDP-based replicate: whole parameters, gradients all-reduced (ZeRO 0 and 1)
@@ -55,9 +69,17 @@ def fsdp_unit(wrapped: bool, zero: int, offload: bool) -> str:
 @dataclass
 class LayerChoice:
     index: int                 # position of the layer in the model's nn.Sequential
-    checkpoint: bool = False   # non-reentrant activation checkpointing of the whole layer
+    checkpoint: str = "none"   # CHECKPOINT_MODES (True / False from hand-built plans mean "full" / "none")
     offload: bool = False      # parameters, gradients and optimizer states on the CPU (FSDP2 CPUOffloadPolicy)
     unit: str = ""             # its FSDP2 unit (UNITS); "" when built by hand: Plan fills it in (fsdp_unit)
+
+    def __post_init__(self) -> None:
+        self.checkpoint = checkpoint_mode(self.checkpoint)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether its backward runs any of its forward again (selective or full)."""
+        return self.checkpoint != "none"
 
 
 @dataclass
@@ -269,8 +291,9 @@ class Plan:
             except (HardwareError, KeyError, TypeError, ValueError) as e:
                 bad(f"its hardware description is damaged ({e})")
         for lc in (lc for s in self.stages for lc in s.layers):
-            if not isinstance(lc.checkpoint, bool) or not isinstance(lc.offload, bool):
-                bad(f"layer {lc.index}'s checkpoint and offload are {lc.checkpoint!r} and {lc.offload!r}, not true or false")
+            if lc.checkpoint not in CHECKPOINT_MODES or not isinstance(lc.offload, bool):
+                bad(f"layer {lc.index}'s checkpoint and offload are {lc.checkpoint!r} and {lc.offload!r}, "
+                    f"not one of {', '.join(CHECKPOINT_MODES)} and true or false")
         problem = self.optimizer.problem()
         if problem:
             bad(problem)

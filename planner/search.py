@@ -18,8 +18,8 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
-from .milp import CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
-from .plan import tp_within_nodes, wraps_layers
+from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
+from .plan import CHECKPOINT_MODES, tp_within_nodes, wraps_layers
 
 
 class SolveError(Exception):
@@ -41,7 +41,7 @@ class SolveOptions:
     micro_batch: int | None = None
     zero: int | None = None
     schedule: str | None = None
-    checkpoint: str = "auto"                 # none | all | auto
+    checkpoint: str = "auto"                 # none | selective | all | auto (milp.CHECKPOINT_FLAGS)
     offload: str = "auto"                    # none | auto
     time_limit: float = 20.0                 # seconds per MILP; past it the layout is reported as unproven
 
@@ -57,7 +57,7 @@ class SolveOptions:
 @dataclass
 class Solution:
     candidate: Candidate
-    stages: list[list[tuple[int, bool, bool]]]
+    stages: list[list[tuple[int, str, bool]]]
     prediction: Prediction
 
 
@@ -122,8 +122,8 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--zero {opts.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
     if opts.schedule is not None and opts.schedule not in ("1f1b", "gpipe"):
         raise SolveError(f"--schedule {opts.schedule} is not one the planner lays out; use 1f1b or gpipe.")
-    if opts.checkpoint not in ("none", "all", "auto"):
-        raise SolveError(f"--checkpoint {opts.checkpoint} is not one of none, all, auto.")
+    if opts.checkpoint not in CHECKPOINT_FLAGS:
+        raise SolveError(f"--checkpoint {opts.checkpoint} is not one of {', '.join(CHECKPOINT_FLAGS)}.")
     if opts.offload not in ("none", "auto"):
         raise SolveError(f"--offload {opts.offload} is not one of none, auto.")
     if opts.top_k < 1:
@@ -312,7 +312,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
                 result.pruned += 1
                 continue
-            free_stages = simplify(model, cand, free.stages, keep_checkpoints=opts.checkpoint == "all")
+            free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
             free_pred = model.evaluate(cand, free_stages)
             if free_pred.fits:
                 result.free_fits += 1
@@ -337,7 +337,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         seed = (seeds or {}).get(cand)
         stages = pred = None
         if layout.stages is not None:
-            stages = simplify(model, cand, layout.stages, keep_checkpoints=opts.checkpoint == "all")
+            stages = simplify(model, cand, layout.stages, CHECKPOINT_FLAGS[opts.checkpoint])
             pred = model.evaluate(cand, stages)
             if not pred.fits:
                 # The MILP's rows are the walk's records, so this means a solver tolerance let a
@@ -407,13 +407,13 @@ def frugal_fit(profile: Profile, opts: SolveOptions) -> Candidate | None:
     return None
 
 
-def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, bool, bool]]]:
+def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, str, bool]]]:
     """Layers split evenly over the stages, each with the choice that keeps the least on the
     device (checkpointed, and offloaded where offload is open)."""
-    return uniform_layout(model, cand, max(choices, key=lambda ch: (ch.offload, ch.checkpoint)))
+    return uniform_layout(model, cand, max(choices, key=lambda ch: (ch.offload, CHECKPOINT_MODES.index(ch.checkpoint))))
 
 
-def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, bool, bool]]]:
+def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, str, bool]]]:
     """Layers split evenly over the stages, every one with choice c."""
     n, pp = model.profile.n_layers, cand.pp
     bounds = [round(k * n / pp) for k in range(pp + 1)]
@@ -529,15 +529,17 @@ def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candi
     return twin in one_f_one_b and one_f_one_b[twin] <= free_step_s * (1 + 1e-9)
 
 
-def simplify(model: CostModel, cand: Candidate, stages, keep_checkpoints: bool = False):
-    """Drop checkpointing or offload the solver chose where it buys nothing (checkpoints stay
-    when `keep_checkpoints`: the user pinned them, `--checkpoint all`).
+def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECKPOINT_FLAGS["auto"]):
+    """Drop checkpointing or offload the solver chose where it buys nothing; `modes`: the
+    checkpoint modes open (milp.CHECKPOINT_FLAGS; one mode: the user pinned it, it stays).
 
     The MILP only minimises step time, so a stage that is not the slowest may carry
-    checkpointing it does not need. Undo one layer's checkpoint or offload at a time (the
-    last one of its kind in a stage, keeping the canonical order) while the layout still
-    fits and is no slower; once the last of a kind must stay, the identical ones before it stay.
+    checkpointing it does not need. Undo one layer's checkpoint (to the next mode that keeps
+    more: full, selective, none) or offload at a time (the last one of its kind in a stage,
+    keeping the canonical order) while the layout still fits and is no slower; once the last
+    of a kind must stay, the identical ones before it stay.
     """
+    lighter = dict(zip(modes, modes[1:]))            # a mode -> the next one that recomputes less
     stages = [list(st) for st in stages]
     best = model.evaluate(cand, stages)
     signature = [layer.signature for layer in model.profile.layers]
@@ -545,14 +547,15 @@ def simplify(model: CostModel, cand: Candidate, stages, keep_checkpoints: bool =
     while changed:                                    # until a whole pass changes nothing
         changed = False
         for s, st in enumerate(stages):
-            for flag in ((2,) if keep_checkpoints else (1, 2)):   # 1: checkpoint, 2: offload
+            for flag in (1, 2):                       # 1: checkpoint, 2: offload
                 refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
                     kind = (signature[st[j][0]], st[j][1:])
-                    if not st[j][flag] or kind in refused:
+                    undone = lighter.get(st[j][1]) if flag == 1 else False
+                    if not st[j][flag] or undone is None or kind in refused:
                         continue
                     layer = list(st[j])
-                    layer[flag] = False
+                    layer[flag] = undone
                     trial = [list(x) for x in stages]
                     trial[s][j] = tuple(layer)
                     if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
@@ -569,7 +572,7 @@ def simplify(model: CostModel, cand: Candidate, stages, keep_checkpoints: bool =
 def _rank(sol: Solution):
     """Fastest first; ties to the smaller peak, then the simpler layout, then a fixed order."""
     p = sol.prediction
-    ck = sum(c for st in sol.stages for _, c, _ in st)
+    ck = sum(CHECKPOINT_MODES.index(c) for st in sol.stages for _, c, _ in st)   # selective is simpler than full
     off = sum(o for st in sol.stages for _, _, o in st)
     return (round(p.step_s, 12), p.peak_bytes, ck + off, sol.candidate)
 

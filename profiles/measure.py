@@ -33,9 +33,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
 from . import model_file as mf
+from .checkpointing import checkpointed_call
 from .flops import OpCost
 from .live_memory import LiveMemory
 from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled, splits_evenly
@@ -163,14 +163,20 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
                 fig["saved_input_bytes"] = sum(v for k, v in saved.items() if k in in_ids)
                 fig["saved_output_bytes"] = sum(v for k, v in saved.items() if k in out_ids and k not in in_ids)
                 fig["fwd_transient_bytes"] = fwd_peak - live_after_fwd
-                # What the forward left alive besides its output (checkpointing: RNG state, ...).
-                out_new = 0 if out_ids <= in_ids else fig["output_bytes"]
+            # What the forward left alive besides its output (checkpointing: RNG state, ...).
+            out_new = 0 if out_ids <= in_ids else _nbytes(out)
+            if phase == "first":
                 fig["retained_bytes"] = live_after_fwd - live_before_fwd - out_new
             saved.clear()
             if out.requires_grad:
                 grad = torch.randn_like(out)
                 root = _Root.apply(out, grad)
+                before_del = tracker.live
                 del out, grad
+                if phase == "first":
+                    # What of the output outlives the caller's reference (selective checkpointing
+                    # can keep it, as the output of a kept op).
+                    fig["output_kept_bytes"] = 0 if not out_new else max(0, out_new - (before_del - tracker.live))
                 tracker.reset_peak()
                 before = tracker.live
                 root.backward()
@@ -179,6 +185,7 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
             else:
                 del out
                 fig[f"bwd_{phase}"] = 0
+                fig.setdefault("output_kept_bytes", 0)
         x_in.grad = None  # the input gradient flows on to the previous layer; it is not accumulated
     _clear_grads(module, x_in)
     return fig
@@ -248,18 +255,20 @@ class _Timer:
 
 def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_seconds, timed: bool = True) -> LayerSample:
     """All size-dependent figures of one layer at the micro-batch size of x."""
-    def ckpt(inp):
-        return checkpoint(layer, inp, use_reentrant=False)
-
+    ckpt, sac = checkpointed_call(layer, "full"), checkpointed_call(layer, "selective")
     # Each memory figure is taken from the second of two identical runs: first calls allocate
     # caches (DTensor's sharding propagation, kernels) that would look like activations.
     plain = [measure_memory(layer, layer, x) for _ in range(2)][-1]
     ck = [measure_memory(ckpt, layer, x) for _ in range(2)][-1]
+    sel = [measure_memory(sac, layer, x) for _ in range(2)][-1]
     fwd, bwd = measure_cost(layer, x, op_seconds)
+    _, sac_bwd = measure_cost(sac, x, op_seconds)
     if opts.fake or not timed:
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
+        sac_bwd_s = sac_bwd.seconds
     else:
         fwd_s, bwd_s = measure_time(layer, layer, x, opts)
+        sac_bwd_s = measure_time(sac, layer, x, opts)[1]
     return LayerSample(
         input_bytes=plain["input_bytes"], output_bytes=plain["output_bytes"],
         saved_bytes=plain["saved_bytes"], saved_input_bytes=plain["saved_input_bytes"],
@@ -267,6 +276,10 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
         bwd_peak_bytes=plain["bwd_first"], bwd_accum_peak_bytes=plain["bwd_accum"],
         ckpt_saved_bytes=max(0, ck["retained_bytes"]), ckpt_fwd_transient_bytes=ck["fwd_transient_bytes"],
         ckpt_bwd_peak_bytes=ck["bwd_first"], ckpt_bwd_accum_peak_bytes=ck["bwd_accum"],
+        sac_saved_bytes=max(0, sel["retained_bytes"]), sac_saved_output_bytes=sel["output_kept_bytes"],
+        sac_fwd_transient_bytes=sel["fwd_transient_bytes"], sac_bwd_peak_bytes=sel["bwd_first"],
+        sac_bwd_accum_peak_bytes=sel["bwd_accum"], sac_recompute_s=max(0.0, sac_bwd_s - bwd_s),
+        sac_tp_bwd_comm_bytes=sac_bwd.all_reduce_bytes, sac_tp_bwd_comm_count=sac_bwd.all_reduce_count,
         fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd.flops, bwd_flops=bwd.flops,
         fwd_io_bytes=fwd.io_bytes, bwd_io_bytes=bwd.io_bytes,
         tp_fwd_comm_bytes=fwd.all_reduce_bytes, tp_bwd_comm_bytes=bwd.all_reduce_bytes,

@@ -14,6 +14,10 @@ Memory terms, per layer and micro-batch (all bytes, one storage counted once):
   bwd_accum_peak the same when gradients already exist (later micro-batches of accumulation)
   ckpt_*         the same figures with the layer under activation checkpointing, where the
                  forward keeps only its input and the backward first recomputes the forward
+  sac_*          the same under selective checkpointing (profiles/checkpointing.py): the
+                 forward keeps its input and its compute-heavy ops' outputs (sac_saved: those
+                 outputs, sac_saved_output: the part that is the layer's output); the
+                 backward first recomputes the rest, taking sac_recompute_s
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SCHEMA_VERSION = 3   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times
+SCHEMA_VERSION = 4   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times; 4: sac_*
 TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
 TP_TIMED = 4      # the second degree measured profiles time tensor-parallel layers at (tp_times)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -61,6 +65,12 @@ class LayerSample:
     ckpt_fwd_transient_bytes: int = 0
     ckpt_bwd_peak_bytes: int = 0
     ckpt_bwd_accum_peak_bytes: int = 0
+    sac_saved_bytes: int = 0
+    sac_saved_output_bytes: int = 0
+    sac_fwd_transient_bytes: int = 0
+    sac_bwd_peak_bytes: int = 0
+    sac_bwd_accum_peak_bytes: int = 0
+    sac_recompute_s: float = 0.0   # what selective checkpointing adds to the backward (the ops it runs again)
     fwd_s: float = 0.0
     bwd_s: float = 0.0
     fwd_flops: int = 0
@@ -71,14 +81,17 @@ class LayerSample:
     tp_bwd_comm_bytes: int = 0
     tp_fwd_comm_count: int = 0  # number of those all-reduces
     tp_bwd_comm_count: int = 0
+    sac_tp_bwd_comm_bytes: int = 0  # the backward's all-reduces under selective checkpointing (recomputed ones included)
+    sac_tp_bwd_comm_count: int = 0
 
 
 SAMPLE_FIELDS = [f.name for f in fields(LayerSample)]
 INT_FIELDS = {f.name for f in fields(LayerSample) if f.type == "int"}
-TP_COMM_FIELDS = {"tp_fwd_comm_bytes", "tp_bwd_comm_bytes", "tp_fwd_comm_count", "tp_bwd_comm_count"}
+TP_COMM_FIELDS = {"tp_fwd_comm_bytes", "tp_bwd_comm_bytes", "tp_fwd_comm_count", "tp_bwd_comm_count",
+                  "sac_tp_bwd_comm_bytes", "sac_tp_bwd_comm_count"}
 # Whether a layer keeps its input or output is a yes/no fact of its ops, not a size that
 # shrinks with tensor parallelism; these are taken from the tp=1 sample as they are.
-TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes"}
+TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
 
 
 @dataclass
@@ -191,6 +204,9 @@ class LayerProfile(Sampled):
                 v_hi = self.tp_times[b][k] if b in self.tp_times else self._tp_time_fits[k](b)
                 shard = (v_lo - v_hi) / (1 / lo - 1 / hi)
                 vals[name] = max(0.0, v_lo - shard / lo + shard / tp)
+            # What selective checkpointing runs again is part of the forward: it shrinks with it.
+            if one.fwd_s > 0:
+                vals["sac_recompute_s"] = one.sac_recompute_s * vals["fwd_s"] / one.fwd_s
         return LayerSample(**vals)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from planner.plan import LayerChoice, Plan
-from profiles import tensor_parallel
+from profiles import checkpointing, tensor_parallel
 from profiles.model_file import tp_plan_matches
 
 
@@ -25,9 +24,10 @@ def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> 
     tensor_parallel.apply_tp(layer, tp_plan_matches(layer, tp_plan), tp_mesh)
 
 
-def apply_ac(layer: nn.Module) -> nn.Module:
-    """Wrap the whole layer in non-reentrant torch.utils.checkpoint: it keeps only its input."""
-    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+def apply_ac(layer: nn.Module, mode: str) -> nn.Module:
+    """Wrap the layer in non-reentrant torch.utils.checkpoint, whole ("full") or with the
+    profiler's selective policy ("selective"): profiles/checkpointing.py."""
+    return checkpointing.wrap_checkpoint(layer, mode)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -60,8 +60,8 @@ def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], tp_plan: 
         layer = stage.get_submodule(name)
         if plan.tp > 1:
             apply_tp(layer, mesh["tp"], tp_plan)
-        if lc.checkpoint:
-            layer = apply_ac(layer)
+        if lc.recomputes:
+            layer = apply_ac(layer, lc.checkpoint)
             stage.register_module(name, layer)
         apply_fsdp(layer, mesh["dp"], lc, plan.precision, plan.device_type)
     if plan.wrapped:

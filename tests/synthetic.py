@@ -19,6 +19,13 @@ def _sample(rng: random.Random, b: int, base: dict, in_bytes: int, out_bytes: in
         bwd_accum_peak_bytes=base["bwd"] * b, ckpt_saved_bytes=base["ck_own"],
         ckpt_fwd_transient_bytes=base["ck_fwd_t"] * b, ckpt_bwd_peak_bytes=(base["bwd"] + base["own"]) * b + base["grad"],
         ckpt_bwd_accum_peak_bytes=(base["bwd"] + base["own"]) * b,
+        # Selective: keeps part of `own` (its matmuls' outputs), sometimes its output too, and
+        # recomputes a share of the forward.
+        sac_saved_bytes=base["sac_own"] * b, sac_saved_output_bytes=out_bytes if base["sac_keeps_out"] else 0,
+        sac_fwd_transient_bytes=base["sac_fwd_t"] * b,
+        sac_bwd_peak_bytes=(base["bwd"] + base["own"] - base["sac_own"]) * b + base["grad"],
+        sac_bwd_accum_peak_bytes=(base["bwd"] + base["own"] - base["sac_own"]) * b,
+        sac_recompute_s=base["sac_share"] * base["fwd_s"] * b,
         fwd_s=base["fwd_s"] * b, bwd_s=2 * base["fwd_s"] * b, fwd_flops=base["flops"] * b, bwd_flops=2 * base["flops"] * b,
         fwd_io_bytes=base["io"] * b, bwd_io_bytes=2 * base["io"] * b,
     )
@@ -45,6 +52,11 @@ def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, 
             "flops": rng.randint(1, 100) * 10**6, "io": rng.randint(1, 10) * 10**5,
             "opt_s": rng.choice([0.0, rng.uniform(1e-5, 2e-4)]),   # 0: not measured, the cost model's formula
         }
+        # Drawn from their own generator, so that the other figures are those drawn before
+        # selective checkpointing existed.
+        sub = random.Random(f"{base['own']}-{base['fwd_s']}-{i}")
+        base.update(sac_own=base["own"] * sub.choice([0, 1, 2, 3]) // 4, sac_keeps_out=sub.random() < 0.2,
+                    sac_fwd_t=sub.randint(0, 4) * kib, sac_share=sub.uniform(0.05, 0.5))
         sig = f"s{i}"
         for _ in range(run):
             params = [ParamInfo("w", [rows, cols], 0 if rng.random() < 0.5 else None)]

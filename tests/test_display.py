@@ -109,7 +109,7 @@ def test_the_timeline_drawn_is_the_step_predicted(big):
     for (f, b, parts), s in zip(phases, plan.predicted.stages):
         assert f + b == pytest.approx(s.micro_batch_s, rel=1e-9)
         assert sum(parts.values()) * 1 == pytest.approx(s.micro_batch_s - parts["communication"], rel=1e-9)
-        assert parts["recompute"] > 0 or not any(lc.checkpoint for lc in plan.stages[s.index].layers)
+        assert parts["recompute"] > 0 or not any(lc.recomputes for lc in plan.stages[s.index].layers)
     actions = schedule_timeline(plan.schedule, [f for f, _, _ in phases], [b for _, b, _ in phases], plan.num_micro_batches)
     assert len(actions) == 2 * plan.pp * plan.num_micro_batches
     for stage in range(plan.pp):

@@ -3,6 +3,8 @@ checked, a no-fit explanation makes sense, and node boundaries hold. Torch-free.
 
 import random
 
+import pytest
+
 from planner.hardware import PRESETS, Hardware
 from planner.search import SolveOptions, search
 from tests.synthetic import random_profile
@@ -13,17 +15,18 @@ def roomy_cpu() -> Hardware:
     return Hardware.from_json({**PRESETS["cpu"].to_json(), "memory_bytes": 1 << 40, "name": "roomy"})
 
 
-def test_pinned_checkpoint_all_stays_in_every_layout():
-    """--checkpoint all reproduces a full-recompute run: the simplification that drops
-    checkpoints memory does not need must leave pinned ones alone."""
+@pytest.mark.parametrize("flag, mode", [("all", "full"), ("selective", "selective")])
+def test_pinned_checkpoint_all_stays_in_every_layout(flag, mode):
+    """--checkpoint all (selective) reproduces a full-recompute (selective) run: the
+    simplification that drops checkpoints memory does not need must leave pinned ones alone."""
     prof = random_profile(random.Random(3), 6)
     for gpus in (1, 2, 4):
-        result = search(prof, SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, checkpoint="all", top_k=3))
+        result = search(prof, SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, checkpoint=flag, top_k=3))
         assert result.solutions
         for sol in result.solutions:
-            assert all(ck for st in sol.stages for _, ck, _ in st), sol.candidate.describe()
+            assert all(ck == mode for st in sol.stages for _, ck, _ in st), sol.candidate.describe()
         free = search(prof, SolveOptions(gpus=gpus, hardware=roomy_cpu(), global_batch=8, top_k=1))
-        assert not any(ck for st in free.solutions[0].stages for _, ck, _ in st)   # so "all" was kept, not free
+        assert all(ck == "none" for st in free.solutions[0].stages for _, ck, _ in st)   # so "all" was kept, not free
 
 
 def test_no_fit_explanation_names_a_limit_that_fits():
