@@ -2,7 +2,7 @@
 
 For examples/gpt.py and examples/mlp.py, profiles the model on this CPU, builds a matrix of
 plans with the cost model (one process at micro-batch 1, 2 and 4; checkpointing some and all
-layers; offload; ZeRO 0-3; dp2; tp2; pp2 with 1F1B and GPipe; dp2 x tp2; pp2 x dp2; mixed
+layers; selective checkpointing alone, beside full, under ZeRO 3, tp2 and pp2; offload; ZeRO 0-3; dp2; tp2; pp2 with 1F1B and GPipe; dp2 x tp2; pp2 x dp2; mixed
 precision), runs each with the runtime under torchrun (CPU processes, gloo), and prints per
 stage the predicted and measured peak memory and the error, plus predicted and measured step
 time (only indicative on CPU processes sharing two cores).
@@ -47,7 +47,7 @@ class Case:
     m: int = 1
     zero: int = 0
     schedule: str = "1f1b"
-    checkpoint: str = "none"      # none | some | all
+    checkpoint: str = "none"      # none | some | all | selective (every layer) | mixed (selective, every other full)
     offload: str = "none"         # none | some
     precision: str = "fp32"
 
@@ -58,6 +58,11 @@ CASES = [
     Case("1 process b4", b=4),
     Case("checkpoint some", checkpoint="some"),
     Case("checkpoint all", checkpoint="all"),
+    Case("selective all", checkpoint="selective"),
+    Case("selective + full", checkpoint="mixed", m=2),
+    Case("selective zero3 dp2", dp=2, zero=3, checkpoint="selective"),
+    Case("selective tp2", tp=2, checkpoint="selective"),
+    Case("selective pp2 1f1b", pp=2, m=4, checkpoint="selective"),
     Case("accumulate 4", m=4),
     Case("offload some", offload="some", zero=3),
     Case("zero0 dp2", dp=2, zero=0),
@@ -74,14 +79,15 @@ CASES = [
 ]
 
 
-def stages_for(n: int, case: Case) -> list[list[tuple[int, bool, bool]]]:
+def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
     """Even contiguous stages; 'some' = every other layer from the second."""
     per = [n // case.pp + (1 if s < n % case.pp else 0) for s in range(case.pp)]
     out, i = [], 0
     for count in per:
         st = []
         for _ in range(count):
-            ck = case.checkpoint == "all" or (case.checkpoint == "some" and i % 2 == 1)
+            ck = {"all": "full", "selective": "selective", "mixed": "full" if i % 2 else "selective",
+                  "some": "full" if i % 2 else "none"}.get(case.checkpoint, "none")
             off = case.offload == "some" and i % 2 == 1
             st.append((i, ck, off))
             i += 1

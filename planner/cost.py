@@ -597,13 +597,13 @@ def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_byte
             + optimizer_bytes / (dp if zero >= 1 else 1))
 
 
-def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list[bool] | None = None,
+def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list[str] | None = None,
                        num_micro_batches: int = 1) -> StageMemory:
     """Peak memory of plain training steps on one device (no wrapper): the simplest use of
     the cost model, and the one PyTorch's MemTracker can referee directly."""
     cand = Candidate(1, 1, 1, micro_batch_size, num_micro_batches, 0, "1f1b", False, False)
     model = CostModel(profile, PRESETS["cpu"], 1, 1 << 62)   # memory does not depend on the hardware
-    checkpoint = checkpoint or [False] * profile.n_layers
+    checkpoint = checkpoint or ["none"] * profile.n_layers
     return model.stage_memory(cand, 0, [(i, c, False) for i, c in enumerate(checkpoint)])
 
 

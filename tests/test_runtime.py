@@ -62,6 +62,7 @@ CASES = {
     # one process: the plain path
     "accumulate4_plain": make_plan(b=2, m=4, optimizer=MOMENTUM),
     "bf16_plain": make_plan(b=4, precision="bf16", optimizer=ADAMW),  # the same ops as the reference: equal
+    "selective_plain": make_plan(b=2, m=2, selective={0, 1, 2, 5}, checkpoint={3}, optimizer=MOMENTUM),
     # two processes
     "dp2": make_plan(dp=2, optimizer=MOMENTUM),
     "dp2_adamw": make_plan(dp=2, optimizer=ADAMW),
@@ -80,6 +81,9 @@ CASES = {
     "offload_pp2": make_plan(pp=2, m=2, offload={1, 3}, optimizer=MOMENTUM),
     "checkpoint_zero3": make_plan(dp=2, zero=3, checkpoint={1, 2}, optimizer=MOMENTUM),
     "checkpoint_pp2": make_plan(pp=2, m=2, checkpoint={0, 4}, optimizer=MOMENTUM),
+    "selective_zero3": make_plan(dp=2, zero=3, selective={1, 2, 5}, optimizer=MOMENTUM),
+    "selective_tp2": make_plan(tp=2, selective={1, 2, 3, 4}, optimizer=MOMENTUM),
+    "selective_pp2": make_plan(MLP, pp=2, m=2, selective=set(range(10)), optimizer=MOMENTUM),
     "mixed_zero2": make_plan(dp=2, zero=2, precision="mixed", optimizer=SGD),
     # four processes
     "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
