@@ -67,9 +67,11 @@ def main() -> None:
                 result = search(prof, SolveOptions(gpus=run.gpus, hardware=hw, global_batch=run.global_batch, **pins))
                 sol = result.solutions[0]
                 p = sol.prediction
-                ck = sum(c for st in sol.stages for _, c, _ in st)
+                full = sum(c == "full" for st in sol.stages for _, c, _ in st)
+                sel = sum(c == "selective" for st in sol.stages for _, c, _ in st)
+                ck = f"{full}" + (f" + {sel} selective" if sel else "")
                 rows.append((run, label, sol.candidate.describe(), ck, p.step_s, p.mfu, time.perf_counter() - t))
-                print(f"{run.name:40s} {label:6s} {sol.candidate.describe():38s} ckpt {ck:3d}  predicted {p.step_s:7.3f} s "
+                print(f"{run.name:40s} {label:6s} {sol.candidate.describe():38s} ckpt {ck:>14s}  predicted {p.step_s:7.3f} s "
                       f"(published {run.published_s:.2f} s, {100 * (p.step_s - run.published_s) / run.published_s:+.0f}%), "
                       f"MFU {100 * p.mfu:.1f}%  [{time.perf_counter() - t:.0f} s]", flush=True)
     md = ["# Published trainings beside the planner", "",

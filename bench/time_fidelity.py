@@ -2,7 +2,7 @@
 
 For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama, profiles the model on
 this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-process
-layouts (dp with ZeRO 0-3, accumulation, checkpointing, offload, tp, pp with 1F1B and GPipe,
+layouts (dp with ZeRO 0-3, accumulation, checkpointing (full and selective), offload, tp, pp with 1F1B and GPipe,
 dp x tp, pp x dp, pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
 under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
 (each run's figure: the median over ranks of their median of 7 timed steps) and their spread
@@ -53,6 +53,7 @@ GRID = [
     Case("dp4 zero2", dp=4, b=4, zero=2),
     Case("dp4 zero3", dp=4, b=4, zero=3),
     Case("dp4 zero3 checkpoint all", dp=4, b=4, zero=3, checkpoint="all"),
+    Case("dp4 zero3 selective all", dp=4, b=4, zero=3, checkpoint="selective"),
     Case("dp4 zero3 offload some", dp=4, b=4, zero=3, offload="some"),
     Case("dp2 x tp2", dp=2, tp=2, b=8),
     Case("tp4", tp=4, b=16),

@@ -159,6 +159,8 @@ PLANS = {
     "pp2_1f1b": dict(pp=2, m=2, optimizer=SGD_MOMENTUM),
     "zero3": dict(dp=2, zero=3, optimizer=SGD_MOMENTUM),
     "checkpoint_tp2": dict(tp=2, m=2, checkpoint={1, 2}, optimizer=SGD_MOMENTUM),
+    "selective_zero3": dict(dp=2, zero=3, selective={0, 1, 2, 3}, optimizer=SGD_MOMENTUM),
+    "selective_tp2": dict(tp=2, m=2, selective={1, 2}, optimizer=SGD_MOMENTUM),
     "dp2_tp2": dict(dp=2, tp=2, zero=3, m=2, optimizer=SGD_MOMENTUM),
     "pp2_dp2": dict(pp=2, dp=2, zero=1, m=2, checkpoint={1}, optimizer=ADAMW),
 }
