@@ -534,12 +534,13 @@ def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECK
     checkpoint modes open (milp.CHECKPOINT_FLAGS; one mode: the user pinned it, it stays).
 
     The MILP only minimises step time, so a stage that is not the slowest may carry
-    checkpointing it does not need. Undo one layer's checkpoint (to the next mode that keeps
-    more: full, selective, none) or offload at a time (the last one of its kind in a stage,
-    keeping the canonical order) while the layout still fits and is no slower; once the last
-    of a kind must stay, the identical ones before it stay.
+    checkpointing it does not need. Undo one layer's checkpoint (to the first mode after its
+    own in full, selective, none that fits and is no slower: a head whose selective mode keeps
+    its logits can skip it) or offload at a time (the last one of its kind in a stage) while the
+    layout still fits and is no slower; once the last of a kind must stay, the identical ones
+    before it stay.
     """
-    lighter = dict(zip(modes, modes[1:]))            # a mode -> the next one that recomputes less
+    lighter = {m: modes[k + 1:] for k, m in enumerate(modes)}   # a mode -> those that recompute less, in order
     stages = [list(st) for st in stages]
     best = model.evaluate(cand, stages)
     signature = [layer.signature for layer in model.profile.layers]
@@ -551,19 +552,21 @@ def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECK
                 refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
                     kind = (signature[st[j][0]], st[j][1:])
-                    undone = lighter.get(st[j][1]) if flag == 1 else False
-                    if not st[j][flag] or undone is None or kind in refused:
+                    options = lighter.get(st[j][1], []) if flag == 1 else ([False] if st[j][2] else [])
+                    if not options or kind in refused:
                         continue
-                    layer = list(st[j])
-                    layer[flag] = undone
-                    trial = [list(x) for x in stages]
-                    trial[s][j] = tuple(layer)
-                    if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
-                        continue                      # this candidate exists only to offload
-                    pred = model.evaluate(cand, trial)
-                    if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):
-                        stages, best, changed = trial, pred, True
-                        st = stages[s]                # go on with the layers before it
+                    for undone in options:
+                        layer = list(st[j])
+                        layer[flag] = undone
+                        trial = [list(x) for x in stages]
+                        trial[s][j] = tuple(layer)
+                        if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
+                            continue                  # this candidate exists only to offload
+                        pred = model.evaluate(cand, trial)
+                        if pred.fits and pred.step_s <= best.step_s * (1 + 1e-12):
+                            stages, best, changed = trial, pred, True
+                            st = stages[s]            # go on with the layers before it
+                            break
                     else:
                         refused.add(kind)
     return stages
