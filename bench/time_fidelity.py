@@ -11,7 +11,7 @@ profiled step beside the prediction; per model, the median and worst error,
 the rank correlation of predicted and measured times, and the free choice's measured time
 over the fastest layout's.
 
-    python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3]  # writes bench/results/time_fidelity.{md,csv}
+    python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME]  # writes bench/results/NAME.{md,csv} (time_fidelity)
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt,mlp,llama")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="time_fidelity", help="name of the table in bench/results/ (.md and .csv)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,9 +168,9 @@ def main() -> None:
 
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    raw.to_csv(out / "time_fidelity.csv", index=False)
+    raw.to_csv(out / f"{args.out}.csv", index=False)
     comps = MEASURED_COMPONENTS
-    md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --runs {args.runs}` on {os.cpu_count()} CPU cores, "
+    md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --models {args.models} --runs {args.runs}` on {os.cpu_count()} CPU cores, "
           f"{time.strftime('%Y-%m-%d')}: every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
           f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "
           "their median of 7 timed steps; "
@@ -184,8 +185,8 @@ def main() -> None:
         parts = " | ".join(f"{1e3 * r.get(f'pred_{c}_s', 0):.0f} / {1e3 * r.get(f'meas_{c}_s', 0):.0f}" for c in comps)
         md.append(f"| {r['model']} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
                   f"{r['noise_pct']:.0f}% | {r['error_pct']:+.1f}% | {parts} |")
-    (out / "time_fidelity.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out / 'time_fidelity.md'} and {out / 'time_fidelity.csv'}")
+    (out / f"{args.out}.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out / (args.out + '.md')} and {out / (args.out + '.csv')}")
 
 
 if __name__ == "__main__":
