@@ -278,7 +278,7 @@ def edited_copy(doc_path, edit, tmp_path):
     (lambda d: d.__setitem__("memory_limit_bytes", -1), "memory_limit_bytes is -1"),
     (lambda d: d.__setitem__("seed", "x"), "seed is 'x'"),
     (lambda d: d["stages"][0]["layers"][0].__setitem__("index", 5), "do not hold the layers 0, 1, 2"),
-    (lambda d: d["stages"][0]["layers"][0].__setitem__("checkpoint", "yes"), "not true or false"),
+    (lambda d: d["stages"][0]["layers"][0].__setitem__("checkpoint", "yes"), "not one of none, selective, full"),
     (lambda d: d.__setitem__("precision", "fp8"), "precision is 'fp8'"),
     (lambda d: d["predicted"].__setitem__("step_time_s", 0), "predicted step time 0"),
     (lambda d: d.__setitem__("device_type", "tpu"), "device_type is 'tpu'"),
