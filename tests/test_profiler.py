@@ -7,6 +7,7 @@ equal FlopCounterMode's on the whole model; fake and real profiles must agree.
 """
 
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,34 @@ def test_profile_round_trips_through_json(example_profiles, tmp_path):
     again = load_profile(path)
     assert isinstance(again, Profile)
     assert again.to_json() == prof.to_json()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_activation_memory_is_korthikanti_et_al(tp):
+    """Korthikanti et al. 2022 (section 4.1), per transformer layer: sbh(34 + 5as/h) bytes of
+    activations without parallelism, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism t,
+    for 16-bit activations and 1-byte dropout masks. The profiler measures a layer built to
+    the paper's assumptions (tests/paper_gpt.py; t = 2 under the fake process group, t = 4
+    as the cost model extends it) and must give exactly that, plus what the paper leaves out:
+    LayerNorm's mean and rstd (two per token per LayerNorm, in the activation dtype on CPU),
+    and masks of the activation's size where it takes one byte: PyTorch's CPU dropout keeps
+    its mask in the activation dtype (CUDA's native dropout keeps a bool, the paper's byte).
+    With mask bytes mu the paper's own count is sbh(32 + 2 mu + (4 + mu) as/h) and, under TP,
+    sbh(8 + 2 mu + 24/t + (4 + mu) as/(ht)); mu = 1 gives its formulas."""
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+    from tests import paper_gpt as paper
+
+    spec = load_model_file(Path(paper.__file__))
+    prof = profile_model(spec, ProfileOptions(precision="bf16", fake=True, hardware="h100-sxm-80g"))
+    s, h, a = paper.SEQ_LEN, paper.HIDDEN, paper.HEADS
+    mu, layer_norm_stats = 2, 2 * 2 * 2      # mask bytes; (mean, rstd) x 2 LayerNorms x 2 bytes, per token
+    for b in prof.batch_sizes:
+        sbh = s * b * h
+        replicated = 8 + 2 * mu if tp > 1 else 32 + 2 * mu
+        sharded = (24 if tp > 1 else 0) + (4 + mu) * a * s / h
+        paper_bytes = sbh * (replicated + sharded / tp)
+        if tp == 1:
+            assert sbh * (34 + 5 * a * s / h) == paper_bytes - sbh * (2 * (mu - 1) + (mu - 1) * a * s / h)
+        measured = prof.layers[1].at_tp(b, tp).saved_bytes
+        assert measured == paper_bytes + layer_norm_stats * s * b, (b, measured, paper_bytes)
