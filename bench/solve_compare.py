@@ -27,10 +27,11 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 from planner.hardware import get_hardware
 from planner.search import SolveOptions, search
-# The grid itself from this checkout's solve_scaling; the planner it imports is already the other's.
+# The grid from the solved checkout's own solve_scaling (the same depths, GPU counts and batches
+# since it was written), so that its profile is made by its own profiler, in its own schema.
 sys.path.append({bench!r})
 from solve_scaling import DEPTHS, GPUS, base_profile, global_batch, with_depth
-prof, hw, out = base_profile(), get_hardware("h100-sxm-80g"), {{}}   # made by the parent: only loaded here
+prof, hw, out = base_profile(), get_hardware("h100-sxm-80g"), {{}}
 for depth in DEPTHS:
     p = with_depth(prof, depth - 2)
     for g in GPUS:
@@ -45,9 +46,9 @@ json.dump(out, open({dest!r}, "w"))
 
 def solve_grid(root: Path, dest: Path) -> dict:
     """The grid solved by the checkout at `root`, in a child process that imports only from it."""
-    # solve_scaling's profile, cached in the temp folder: made (once) by this checkout.
-    subprocess.run([sys.executable, "-c", "import solve_scaling; solve_scaling.base_profile()"], cwd=ROOT / "bench", check=True)
-    code = GRID.format(root=str(root), bench=str(ROOT / "bench"), dest=str(dest))
+    # solve_scaling's profile, cached in the temp folder: made (once) by that checkout's profiler.
+    subprocess.run([sys.executable, "-c", "import solve_scaling; solve_scaling.base_profile()"], cwd=root / "bench", check=True)
+    code = GRID.format(root=str(root), bench=str(root / "bench"), dest=str(dest))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tempfile.gettempdir())
     return json.loads(dest.read_text())
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from planner.hardware import get_hardware  # noqa: E402
 from planner.search import SolveOptions, search  # noqa: E402
-from profiles.schema import Profile, load_profile  # noqa: E402
+from profiles.schema import SCHEMA_VERSION, Profile, load_profile  # noqa: E402
 
 DEPTHS = [12, 24, 32, 48, 64, 80, 96]
 GPUS = [1, 8, 64, 512, 1024, 8192]
@@ -34,7 +34,8 @@ def global_batch(gpus: int) -> int:
 
 
 def base_profile() -> Profile:
-    path = Path(tempfile.gettempdir()) / "plan_bench_gpt7b_profile.json"
+    # Named by the profile schema, so that checkouts of different schemas (solve_compare.py) keep their own.
+    path = Path(tempfile.gettempdir()) / f"plan_bench_gpt7b_profile.s{SCHEMA_VERSION}.json"
     if not path.exists():
         from typer.main import get_command
 
