@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: calibrate the GPU (matmul sweep, copy bandwidth; NCCL collectives where there
 # are 2+ GPUs), profile a ~1B-parameter GPT on CUDA, solve for one GPU with a memory limit that
-# forces checkpointing and offload, run the plan, and print memory and time fidelity; then
+# forces checkpointing and offload, run the plan (and one with every layer selectively
+# checkpointed), and print memory and time fidelity; then
 # resume that plan from a CUDA checkpoint and load a tiny Llama's safetensors (--init-from).
 # Designed to finish in a few minutes on one H200; exits 0 with a note where there is no CUDA.
 #
@@ -32,6 +33,10 @@ time plan profile bench/models/gpt1b.py --device cuda --precision mixed --batch-
 time plan solve "$OUT/profile.json" --gpus 1 --hardware h200-141g --memory-limit "$LIMIT" --global-batch 8 -o "$OUT/plan.json"
 plan run "$OUT/plan.json" --steps 8 --out "$OUT/run.json"
 plan verify "$OUT/plan.json" "$OUT/run.json" --tolerance 5 | tee "$OUT/verify.txt"
+# Selective checkpointing on CUDA (its masks and kernels differ from the CPU's): every layer selective.
+plan solve "$OUT/profile.json" --gpus 1 --hardware h200-141g --global-batch 8 --checkpoint selective -o "$OUT/plan-selective.json"
+plan run "$OUT/plan-selective.json" --steps 8 --out "$OUT/run-selective.json"
+plan verify "$OUT/plan-selective.json" "$OUT/run-selective.json" --tolerance 5 | tee "$OUT/verify-selective.txt"
 
 # Training on CUDA (issue 13): 4 steps with a checkpoint, then a resume to step 8, held to the
 # uninterrupted run above (its losses 5..8); then a tiny Llama's safetensors in (--init-from),

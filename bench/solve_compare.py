@@ -66,12 +66,13 @@ def main() -> None:
     for cell in after:
         b, a = before[cell], after[cell]
         same = "same" if a["top"] == b["top"] else ("same best" if a["top"][:1] == b["top"][:1] else "differs")
-        rows.append(f"| {cell} | {b['s']:.2f} | {a['s']:.2f} | {same} |")
+        best = f"{b['top'][0][1]:.4g} / {a['top'][0][1]:.4g}" if a["top"] and b["top"] else "-"
+        rows.append(f"| {cell} | {b['s']:.2f} | {a['s']:.2f} | {same} | {best} |")
     worst = max(v["s"] for v in after.values())
     text = (f"# Solve time, two checkouts\n\n`python bench/solve_compare.py {args.other}` on {os.cpu_count()} CPU cores, "
             f"{time.strftime('%Y-%m-%d %H:%M')}: the solve-scaling grid (layers x GPUs), wall seconds of `search` "
             f"before (that checkout) and after (this one), run one after the other; top 5 compared. Slowest cell after: "
-            f"{worst:.2f} s.\n\n| cell | before s | after s | top 5 |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            f"{worst:.2f} s.\n\n| cell | before s | after s | top 5 | best step s, before / after |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     out = ROOT / "bench" / "results" / "solve_compare.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
