@@ -6,6 +6,7 @@ measures for that step within 2%; parameter and optimizer bytes must be exact; F
 equal FlopCounterMode's on the whole model; fake and real profiles must agree.
 """
 
+import functools
 from dataclasses import asdict
 from pathlib import Path
 
@@ -189,6 +190,17 @@ def test_profile_round_trips_through_json(example_profiles, tmp_path):
     assert again.to_json() == prof.to_json()
 
 
+@functools.cache
+def paper_profile():
+    """A fake bf16 profile of tests/paper_gpt.py (one for the three degrees)."""
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+    from tests import paper_gpt
+
+    return profile_model(load_model_file(Path(paper_gpt.__file__)),
+                         ProfileOptions(precision="bf16", fake=True, hardware="h100-sxm-80g"))
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_activation_memory_is_korthikanti_et_al(tp):
     """Korthikanti et al. 2022 (section 4.1), per transformer layer: sbh(34 + 5as/h) bytes of
@@ -201,12 +213,9 @@ def test_activation_memory_is_korthikanti_et_al(tp):
     its mask in the activation dtype (CUDA's native dropout keeps a bool, the paper's byte).
     With mask bytes mu the paper's own count is sbh(32 + 2 mu + (4 + mu) as/h) and, under TP,
     sbh(8 + 2 mu + 24/t + (4 + mu) as/(ht)); mu = 1 gives its formulas."""
-    from profiles.measure import ProfileOptions, profile_model
-    from profiles.model_file import load_model_file
     from tests import paper_gpt as paper
 
-    spec = load_model_file(Path(paper.__file__))
-    prof = profile_model(spec, ProfileOptions(precision="bf16", fake=True, hardware="h100-sxm-80g"))
+    prof = paper_profile()
     s, h, a = paper.SEQ_LEN, paper.HIDDEN, paper.HEADS
     mu, layer_norm_stats = 2, 2 * 2 * 2      # mask bytes; (mean, rstd) x 2 LayerNorms x 2 bytes, per token
     for b in prof.batch_sizes:
