@@ -176,9 +176,10 @@ def plan_table(plan, wide: bool) -> Group:
 
 def checkpoint_cell(layers) -> str:
     """The stage's checkpointed layers: fully, then selectively ("s")."""
-    full = ranges([lc.index for lc in layers if lc.checkpoint == "full"])
-    sel = ranges([lc.index for lc in layers if lc.checkpoint == "selective"])
-    return " ".join(x for x in (full if full != "-" else "", f"s {sel}" if sel != "-" else "") if x) or "-"
+    full = [lc.index for lc in layers if lc.checkpoint == "full"]
+    sel = [lc.index for lc in layers if lc.checkpoint == "selective"]
+    parts = ([ranges(full)] if full else []) + ([f"s {ranges(sel)}"] if sel else [])
+    return " ".join(parts) or "-"
 
 
 def memory_check_table(rows, title: str, tolerance: float) -> tuple[Group, float]:

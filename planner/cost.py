@@ -272,7 +272,8 @@ class CostModel:
         rs_bytes = d * shard_numel * reduce_isz if sharding else full_numel * reduce_isz
         if mode == "shard":
             fsdp_mem.update(unsharded=unsharded, gathers_in_backward=True, async_reduce=d > 1)
-            bwd_a = bwd_p                  # unsharded gradients never accumulate: each micro-batch reduces its own
+            if cand.pp == 1:
+                bwd_a = bwd_p              # unsharded gradients never accumulate: each micro-batch reduces its own
         elif mode in ("shard_keep", "replicate"):
             fsdp_mem.update(kept_unsharded=unsharded)
         if sharding:
@@ -280,10 +281,10 @@ class CostModel:
         if mode != "plain" and cand.pp > 1:
             # Pipelining turns gradient reduction and resharding after backward off for every
             # micro-batch and reduces once at the step's end: unsharded gradients (compute dtype)
-            # accumulate, and a resharded-after-forward layer keeps its copy after backward.
+            # accumulate (so the mode's accumulating backward peak stands), and a
+            # resharded-after-forward layer keeps its copy after backward.
             fsdp_mem.update(step_grads=grads, final_reduce_flat=rs_bytes)
             grads = full_numel * self.compute_isz
-            bwd_a = {"full": s.ckpt_bwd_accum_peak_bytes, "selective": s.sac_bwd_accum_peak_bytes}.get(checkpoint, s.bwd_accum_peak_bytes)
             if mode == "shard":
                 fsdp_mem.update(unsharded_after_backward=unsharded)
         elif mode != "plain":

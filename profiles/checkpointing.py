@@ -55,17 +55,20 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def _mode_kwargs(mode: str) -> dict:
+    """What torch.utils.checkpoint takes besides the layer for a "full" or "selective" mode."""
+    return {"context_fn": _selective_contexts} if mode == "selective" else {}
+
+
 def checkpointed_call(layer: nn.Module, mode: str):
     """`layer` as a function of its input under `mode` (the profiler measures this)."""
     if mode == "none":
         return layer
-    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return functools.partial(checkpoint, layer, use_reentrant=False, **extra)
+    return functools.partial(checkpoint, layer, use_reentrant=False, **_mode_kwargs(mode))
 
 
 def wrap_checkpoint(layer: nn.Module, mode: str) -> nn.Module:
     """The layer wrapped to run under `mode` in a model (the runtime applies this)."""
     if mode == "none":
         return layer
-    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **_mode_kwargs(mode))
