@@ -87,7 +87,8 @@ def plot_plan(plan, path: Path) -> None:
     # Timeline: every action of one step, then the once-per-step work.
     phases = [stage_phases(s) for s in stages]
     schedule = plan.schedule if plan.pp > 1 else "1f1b"
-    actions = schedule_timeline(schedule, [f for f, _, _ in phases], [b for _, b, _ in phases], plan.num_micro_batches)
+    actions = schedule_timeline(schedule, [f for f, _, _ in phases], [b for _, b, _ in phases], plan.num_micro_batches,
+                               plan.virtual_stages)
     spans: dict[tuple[int, str], list[tuple[float, float]]] = {}    # (stage, phase) -> (start, length)
     ends: dict[int, float] = {}
     for a in actions:

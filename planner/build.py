@@ -30,7 +30,7 @@ def summary(sol: Solution) -> dict:
     c, p = sol.candidate, sol.prediction
     return {
         "dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero,
-        "schedule": c.schedule, "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
+        "schedule": c.schedule, "virtual_stages": c.virtual_stages, "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
         "checkpointed_layers": [i for st in sol.stages for i, ck, _ in st if ck == "full"],
         "selective_layers": [i for st in sol.stages for i, ck, _ in st if ck == "selective"],
         "offloaded_layers": [i for st in sol.stages for i, _, off in st if off],

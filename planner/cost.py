@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from profiles.schema import LayerProfile, LayerSample, Profile, splits_evenly
 
 from .hardware import PRESETS, Hardware
-from .memory import LayerMemory, StageMemory, schedule_actions, walk_stage
+from .memory import Chunk, LayerMemory, StageMemory, holds_sends, schedule_actions, walk_rank
 from .plan import checkpoint_mode, fsdp_unit, wraps_layers
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
@@ -57,9 +57,10 @@ class Candidate:
     micro_batch_size: int
     num_micro_batches: int
     zero: int            # 0..3; with dp == 1 only 0 (no one to shard with) unless offloading
-    schedule: str        # "1f1b" | "gpipe"; "1f1b" when pp == 1
+    schedule: str        # "1f1b" | "gpipe" | "interleaved"; "1f1b" when pp == 1
     fsdp: bool           # every layer an FSDP2 unit (False: the plain path, no wrapper)
     allow_offload: bool  # the per-layer offload choice is open (needs fsdp)
+    virtual_stages: int = 1   # stages per pp rank (v): more than 1 only with the interleaved schedule
 
     @property
     def world_size(self) -> int:
@@ -69,9 +70,15 @@ class Candidate:
     def global_batch(self) -> int:
         return self.dp * self.micro_batch_size * self.num_micro_batches
 
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages: pp x v; stage s runs on pp rank s % pp."""
+        return self.pp * self.virtual_stages
+
     def describe(self) -> str:
+        schedule = "" if self.pp == 1 else self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} b{self.micro_batch_size}x{self.num_micro_batches} "
-                f"zero{self.zero} {self.schedule if self.pp > 1 else ''}").strip()
+                f"zero{self.zero} {schedule}").strip()
 
 
 @dataclass
@@ -410,22 +417,25 @@ class CostModel:
         last = choices[-1][0] == self.profile.n_layers - 1
         return costs, (self.loss(cand) if last else None)
 
-    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[int, int, int]:
+    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[int, int, int, int]:
         """Bytes outside the layers: (alive all step, per in-flight micro-batch, in a forward
-        that follows a backward).
+        that follows a backward, held by the sends of each finished micro-batch).
 
-        The batch: inputs on the first stage, targets on the last. torch.distributed.pipelining
-        keeps, besides: a receive buffer per micro-batch for the activations a later stage
-        gets and for the gradients an earlier stage gets back (allocated once, kept between
-        steps; a received activation is used in place); each in-flight micro-batch's stage
-        output, until its backward; and, while the next forward runs, the input gradient the
-        last backward produced (until its send completes) and, on the last stage, the
-        previous micro-batch's output (the schedule's loop variable still holds it).
+        One chunk's, where a rank runs several. The batch: inputs on the first stage, targets
+        on the last. torch.distributed.pipelining keeps, besides: a receive buffer per
+        micro-batch for the activations a later stage gets and for the gradients an earlier
+        stage gets back (allocated once, kept between steps; a received activation is used in
+        place); each in-flight micro-batch's stage output, until its backward. Schedule1F1B and
+        ScheduleGPipe also hold, while the next forward runs, the input gradient the last
+        backward produced (until its send completes) and, on the last stage, the previous
+        micro-batch's output (the schedule's loop variable still holds it); the interleaved
+        schedule instead holds every send (stage output and input gradient) to the step's end
+        (memory.holds_sends).
         """
         b, m = cand.micro_batch_size, cand.num_micro_batches
         first, last = choices[0][0], choices[-1][0]
         is_first, is_last = first == 0, last == self.profile.n_layers - 1
-        static, per_mb, after_backward = self.batch_bytes(cand, is_first, is_last), 0, 0
+        static, per_mb, after_backward, sent = self.batch_bytes(cand, is_first, is_last), 0, 0, 0
         if cand.pp > 1:
             stage_in = self.sample(first, b, cand.tp).input_bytes
             stage_out = self.sample(last, b, cand.tp).output_bytes
@@ -433,11 +443,17 @@ class CostModel:
             if not is_first:
                 static += m * stage_in
                 after_backward += stage_in
+                sent += stage_in
             if not is_last:
                 static += m * stage_out
+                sent += stage_out
             else:
                 after_backward += stage_out
-        return static, per_mb, after_backward
+            if holds_sends(cand.schedule):
+                after_backward = 0
+            else:
+                sent = 0
+        return static, per_mb, after_backward, sent
 
     def batch_bytes(self, cand: Candidate, is_first: bool, is_last: bool) -> int:
         """The step's batch a stage holds all step: inputs on the first stage, targets on the last."""
@@ -445,20 +461,25 @@ class CostModel:
         return (int(self.profile.batch["input_bytes_per_sample"] * b * m) if is_first else 0) \
             + (int(self.profile.batch["target_bytes_per_sample"] * b * m) if is_last else 0)
 
-    def stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> StageMemory:
-        key = ("stage", cand, stage, tuple(choices))
+    def rank_memory(self, cand: Candidate, rank: int, chunks: list[tuple[int, list[tuple[int, str, bool]]]]) -> StageMemory:
+        """The memory of pp rank `rank` over a step, running `chunks`: (stage index, its layers' choices)
+        of each of its stages (stages rank, rank + pp, ...)."""
+        mine = tuple((s, tuple(choices)) for s, choices in chunks)
+        key = ("rank", cand, rank, mine)
         if key not in self._cache:
-            self._cache[key] = self._stage_memory(cand, stage, choices)
+            self._cache[key] = self._rank_memory(cand, rank, mine)
         return self._cache[key]
 
-    def _stage_memory(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> StageMemory:
-        costs, loss = self.stage_costs(cand, stage, choices)
-        static, per_mb, after_backward = self.stage_buffers(cand, stage, choices)
-        actions = schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches)
-        return walk_stage([c.memory for c in costs], loss.memory if loss else None,
-                          static_buffers=static, actions=actions, per_micro_batch_buffers=per_mb,
-                          after_backward_buffers=after_backward, reshard_after_backward=cand.pp == 1,
-                          input_is_held=True)
+    def _rank_memory(self, cand: Candidate, rank: int, mine) -> StageMemory:
+        chunks = []
+        for s, choices in mine:
+            costs, loss = self.stage_costs(cand, s, list(choices))
+            static, per_mb, after_backward, sent = self.stage_buffers(cand, s, list(choices))
+            chunks.append(Chunk([c.memory for c in costs], loss.memory if loss else None, static, per_mb, after_backward,
+                                sent, name=f"stage {s} " if len(mine) > 1 else ""))
+        actions = schedule_actions(cand.schedule, cand.pp, rank, cand.num_micro_batches, cand.virtual_stages)
+        return walk_rank(chunks, actions, reshard_after_backward=cand.pp == 1, input_is_held=True,
+                         sends_held=holds_sends(cand.schedule))
 
     def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
@@ -488,17 +509,22 @@ class CostModel:
                          step=step_s, sync_minus_window=sync_s - self.hw.collective_overlap * 0.5 * compute_s)
 
     @staticmethod
-    def pipeline_step_s(m: int, stages_total, slowest, fullest_once):
+    def pipeline_step_s(m: int, v: int, stages_total, slowest, fullest_once):
         """The step of m micro-batches through a pipeline, the one definition of it: each
         stage's time per micro-batch once (`stages_total`, their sum: the first micro-batch
-        fills the pipeline and the last drains it), m - 1 more of the `slowest` stage's, and
-        the `fullest_once` stage's once-per-step work. The critical path through the slowest
+        fills the pipeline and the last drains it), m - 1 more of the `slowest` rank's, and
+        the `fullest_once` rank's once-per-step work. The critical path through the slowest
         stage, Alpa's pipeline latency (Zheng et al., OSDI 2022, eq. 2), for 1F1B and GPipe
         alike; with equal stages it is the familiar (m + pp - 1) x the stage time. Exact for
         GPipe, an upper estimate for 1F1B, which can overlap the slowest stage's backwards
-        with later stages' work (docs/cost-model.md gives the simulated error). Numbers or
-        the MILP's affine expressions."""
-        return stages_total + (m - 1) * slowest + fullest_once
+        with later stages' work (docs/cost-model.md gives the simulated error).
+
+        With v stages a rank (interleaved), a rank's time per micro-batch is its v stages'
+        together, and filling and draining the pipeline passes each rank once per chunk, 1/v
+        of its time: m x the slowest rank + (stages_total - slowest) / v, which for v = 1 is
+        the above and with equal stages gives Narayanan et al.'s (SC 2021) bubble of
+        (pp - 1) / (v m) of the ideal. Numbers or the MILP's affine expressions."""
+        return stages_total * (1 / v) + (m - 1 / v) * slowest + fullest_once
 
     def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:
         """Activation bytes a stage from layer `first` to `last` exchanges with its neighbours per micro-batch."""
@@ -511,10 +537,12 @@ class CostModel:
         return nbytes
 
     def evaluate(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> Prediction:
-        """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order."""
+        """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order.
+        A stage's memory is its rank's (all the stages it runs)."""
         preds = []
         for s, choices in enumerate(stages):
-            mem = self.stage_memory(cand, s, choices)
+            rank = s % cand.pp
+            mem = self.rank_memory(cand, rank, [(t, stages[t]) for t in range(rank, len(stages), cand.pp)])
             per_mb, per_step = self.stage_times(cand, s, choices)
             costs, _ = self.stage_costs(cand, s, choices)
             preds.append(StagePrediction(s, [c[0] for c in choices], mem, per_mb, per_step,
@@ -560,28 +588,38 @@ class CostModel:
                 "forward": forward, "recompute": recompute, "backward": compute - forward - recompute}
 
     def finish(self, cand: Candidate, preds: list[StagePrediction]) -> Prediction:
-        m = cand.num_micro_batches
-        slowest = max(preds, key=lambda p: p.micro_batch_s)
-        fullest = max(preds, key=lambda p: p.step_extra_s)
-        step = self.pipeline_step_s(m, sum(p.micro_batch_s for p in preds), slowest.micro_batch_s,
-                                    fullest.step_extra_s)
+        m, v = cand.num_micro_batches, cand.virtual_stages
+        ranks = [rank_total(preds[r::cand.pp]) for r in range(cand.pp)]    # each pp rank's stages together
+        slowest = max(ranks, key=lambda p: p.micro_batch_s)
+        fullest = max(ranks, key=lambda p: p.step_extra_s)
+        total = sum(p.micro_batch_s for p in preds)
+        step = self.pipeline_step_s(m, v, total, slowest.micro_batch_s, fullest.step_extra_s)
         flops = sum(self.layer(cand, i, "none", False).model_flops for i in range(self.profile.n_layers)) \
             + self.loss(cand).model_flops
         # Per step: every dp replica runs m micro-batches; TP ranks each did 1/tp of the FLOPs
         # already (the profile's tp figures), so count tp of them.
         total_flops = flops * m * cand.dp * cand.tp
         mfu = total_flops / (step * cand.world_size * self.hw.flops(self.precision)) if step > 0 else 0.0
-        # The step by component: m micro-batches of the slowest stage, the bubble (the other
-        # stages' one micro-batch each), and the once-per-step work of the stage with the most of it.
+        # The step by component: m micro-batches of the slowest rank, the bubble (the other
+        # ranks' one micro-batch each, over v), and the once-per-step work of the rank with the most of it.
         sp, fp = slowest.parts, fullest.parts
         comps = {k: m * sp[k] for k in ("compute", "tp_comm", "offload", "p2p")}
         comps["dp_comm"] = m * sp["dp_comm"] + fp["dp_sync"]
-        comps["bubble"] = sum(p.micro_batch_s for p in preds) - slowest.micro_batch_s
+        comps["bubble"] = (total - slowest.micro_batch_s) * (1 / v)
         comps["optimizer"] = fp["optimizer"]
         comps["total"] = step
         return Prediction(cand, preds, step, comps, cand.global_batch / step if step > 0 else 0.0, mfu,
                           self.memory_limit, self.host_peak_bytes(cand, [p.host_bytes for p in preds]),
                           self.hw.usable_host_bytes())
+
+
+def rank_total(stages: list[StagePrediction]) -> StagePrediction:
+    """The stages one pp rank runs, as one: their times and parts added (itself when one)."""
+    if len(stages) == 1:
+        return stages[0]
+    parts = {k: sum(p.parts[k] for p in stages) for k in stages[0].parts}
+    return StagePrediction(stages[0].index, [i for p in stages for i in p.layers], stages[0].memory,
+                           sum(p.micro_batch_s for p in stages), sum(p.step_extra_s for p in stages), parts)
 
 
 def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes: float, zero: int, dp: int) -> float:
@@ -605,7 +643,7 @@ def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list
     cand = Candidate(1, 1, 1, micro_batch_size, num_micro_batches, 0, "1f1b", False, False)
     model = CostModel(profile, PRESETS["cpu"], 1, 1 << 62)   # memory does not depend on the hardware
     checkpoint = checkpoint or ["none"] * profile.n_layers
-    return model.stage_memory(cand, 0, [(i, c, False) for i, c in enumerate(checkpoint)])
+    return model.rank_memory(cand, 0, [(0, [(i, c, False) for i, c in enumerate(checkpoint)])])
 
 
 def _numel(shape) -> int:

@@ -20,8 +20,9 @@ moment the live bytes are:
                 layer's reduce-scatter (with the copy of the gradients it made, until the
                 asynchronous collective completes: assumed to overlap the next copy-out)
 
-`walk_stage` walks these actions one layer at a time; it is the reference the MILP in
-`planner/milp.py` is tested against.
+`walk_rank` walks these actions one layer at a time; it is the reference the MILP in
+`planner/milp.py` is tested against. Under the interleaved schedule a rank runs several
+stages (chunks); the others' bytes stay live while one runs.
 """
 
 from __future__ import annotations
@@ -78,31 +79,117 @@ class StageMemory:
                 "activations": self.activations, "buffers": self.buffers, "peak": self.peak}
 
 
-def schedule_actions(schedule: str, pp: int, stage: int, m: int) -> list[tuple[str, int]]:
-    """The (F|B, micro-batch) order one pipeline stage runs in one step.
+def schedule_actions(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
+    """The (F|B, chunk, micro-batch) order one pipeline rank runs in one step; `chunk` is the
+    local stage (0..v-1: stages rank, rank + pp, ...; 0 unless interleaved).
 
     pp == 1 is gradient accumulation: F0 B0 F1 B1 ... GPipe runs all forwards, then all
     backwards. 1F1B (torch.distributed.pipelining's Schedule1F1B) runs min(m, pp - stage)
     forwards, then alternates one backward and one forward, then the remaining backwards.
+    Interleaved 1F1B (ScheduleInterleaved1F1B, v chunks a rank) is torch's order, rounds of
+    m // pp micro-batches: a warm-up of forwards, chunk by chunk and round by round, then one
+    forward and one backward (later chunks' backwards first), then the remaining backwards.
     """
+    if schedule == "interleaved":
+        return _interleaved_actions(pp, v, rank, m)
     if pp == 1:
-        return [a for k in range(m) for a in (("F", k), ("B", k))]
+        return [a for k in range(m) for a in (("F", 0, k), ("B", 0, k))]
     if schedule == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    warmup = min(m, pp - stage)
-    actions = [("F", k) for k in range(warmup)]
+        return [("F", 0, k) for k in range(m)] + [("B", 0, k) for k in range(m)]
+    warmup = min(m, pp - rank)
+    actions = [("F", 0, k) for k in range(warmup)]
     for j in range(m - warmup):
-        actions += [("B", j), ("F", warmup + j)]
-    return actions + [("B", k) for k in range(m - warmup, m)]
+        actions += [("B", 0, j), ("F", 0, warmup + j)]
+    return actions + [("B", 0, k) for k in range(m - warmup, m)]
+
+
+def _interleaved_actions(pp: int, v: int, rank: int, m: int) -> list[tuple[str, int, int]]:
+    """torch's ScheduleInterleaved1F1B order for one rank (its _get_warmup_ops and
+    _get_1f1b_rank_ops without the idle slots; tests/test_planner.py holds it to torch's)."""
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    total = m * v
+    next_mb = {"F": [0] * v, "B": [0] * v}
+    actions = []
+
+    def act(kind: str, chunk: int) -> None:
+        actions.append((kind, chunk, next_mb[kind][chunk]))
+        next_mb[kind][chunk] += 1
+
+    for op in range(total + warmup):          # warm-up forwards, 1F1B pairs, cool-down backwards
+        if op < total:
+            act("F", (op // per_round) % v)
+        if op >= warmup:
+            act("B", v - 1 - ((op - warmup) // per_round) % v)
+    return actions
 
 
 def in_flight(schedule: str, pp: int, stage: int, m: int) -> int:
     """Most micro-batches a stage holds activations for at once."""
     live, most = 0, 0
-    for kind, _ in schedule_actions(schedule, pp, stage, m):
+    for kind, _, _ in schedule_actions(schedule, pp, stage, m):
         live += 1 if kind == "F" else -1
         most = max(most, live)
     return most
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What a rank holds besides the running layer when one of its chunks starts a forward or
+    a backward: the same moment gives the same live bytes, whatever the micro-batch."""
+
+    kind: str                 # "F" | "B"
+    chunk: int                # the chunk that runs
+    held: tuple[int, ...]     # per chunk, micro-batches between their F and B (not this one)
+    grads: tuple[bool, ...]   # per chunk, whether its gradients exist (before this action)
+    after: int | None         # in a forward: the chunk whose backward ran last (its buffers still held)
+    done: tuple[int, ...] = ()  # per chunk, backwards finished (where sends are held to the step's end)
+
+    @property
+    def grads_here(self) -> bool:
+        return self.grads[self.chunk]
+
+    def covers(self, other: "Moment") -> bool:
+        """Whether every live byte of `other` is live here too, for any sizes: same action on
+        the same chunk and its gradients alike, at least as much held, no fewer gradients."""
+        return (self.kind == other.kind and self.chunk == other.chunk and self.grads_here == other.grads_here
+                and all(a >= b for a, b in zip(self.held, other.held))
+                and all(a >= b for a, b in zip(self.grads, other.grads))
+                and all(a >= b for a, b in zip(self.done, other.done))
+                and other.after in (None, self.after))
+
+
+def moments(actions: list[tuple[str, int, int]], v: int, count_done: bool = False) -> list[Moment]:
+    """The moment of each action, in order (`count_done`: with the backwards each chunk finished)."""
+    held, grads, after, done = [0] * v, [False] * v, None, [0] * v
+    out = []
+    for kind, chunk, _ in actions:
+        if kind == "B":
+            held[chunk] -= 1
+        out.append(Moment(kind, chunk, tuple(held), tuple(grads), after if kind == "F" else None,
+                          tuple(done) if count_done else ()))
+        if kind == "F":
+            held[chunk] += 1
+        else:
+            grads[chunk], after = True, chunk
+            done[chunk] += 1
+    return out
+
+
+def holds_sends(schedule: str) -> bool:
+    """Whether the schedule keeps every send's tensor until the step's end: torch's
+    _PipelineScheduleRuntime (the interleaved schedule) waits on its sends only then, so each
+    finished micro-batch's stage output and input gradient stay; Schedule1F1B and
+    ScheduleGPipe wait on each send at once."""
+    return schedule == "interleaved"
+
+
+def peak_moments(actions: list[tuple[str, int, int]], v: int, count_done: bool = False) -> list[Moment]:
+    """The moments a record can peak in (no other covers them), forwards before backwards,
+    gradients absent before present: the MILP's memory rows are written at these alone."""
+    distinct = list(dict.fromkeys(moments(actions, v, count_done)))
+    kept = [a for a in distinct if not any(b != a and b.covers(a) for b in distinct)]
+    return sorted(kept, key=lambda mo: (mo.chunk, mo.kind != "F", mo.grads_here))
 
 
 def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
@@ -120,119 +207,138 @@ def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
     return out
 
 
-def walk_stage(layers: list[LayerMemory], loss: LayerMemory | None, *, static_buffers: int,
-               actions: list[tuple[str, int]], per_micro_batch_buffers: int = 0,
-               after_backward_buffers: int = 0, reshard_after_backward: bool = True,
-               input_is_held: bool = True) -> StageMemory:
-    """Walk one step of a stage holding `layers` (and the loss, on the last stage).
+@dataclass
+class Chunk:
+    """One pipeline stage a rank runs (a rank runs v of them under the interleaved schedule)."""
 
-    static_buffers: bytes alive the whole step besides weights, grads and optimizer states
-        (module buffers, this rank's batch, persistent communication buffers).
-    per_micro_batch_buffers: bytes each in-flight micro-batch holds outside the layers, from
-        the end of its forward to its backward (the pipeline's cached stage output; counted
-        even when the last layer keeps its output too: a small overcount for such layers).
-    after_backward_buffers: bytes alive during a forward that follows a backward (what the
-        pipeline still holds from that backward).
+    layers: list[LayerMemory]
+    loss: LayerMemory | None = None      # on the model's last stage
+    static_buffers: int = 0              # alive the whole step besides weights, grads and optimizer
+                                         # states (module buffers, the batch, persistent
+                                         # communication buffers)
+    per_micro_batch_buffers: int = 0     # each in-flight micro-batch holds outside the layers, from
+                                         # the end of its forward to its backward (the pipeline's
+                                         # cached stage output; counted even when the last layer keeps
+                                         # its output too: a small overcount for such layers)
+    after_backward_buffers: int = 0      # alive during a forward that follows this chunk's backward
+                                         # (what the pipeline still holds from that backward)
+    sent_per_backward: int = 0           # what each finished micro-batch leaves held by its sends
+                                         # until the step's end (holds_sends)
+    name: str = ""                       # in phase names ("stage 3 "), where a rank runs several
+
+
+def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, reshard_after_backward: bool = True,
+              input_is_held: bool = True, sends_held: bool = False) -> StageMemory:
+    """Walk one step of a rank running `chunks` in the order `actions` (schedule_actions).
+
     reshard_after_backward: FSDP2 frees a layer's kept unsharded copy after its backward
         (without pipelining); pipelining keeps every one until the step's end.
-    input_is_held: the first layer's input is alive anyway (the batch, or the pipeline's
-        cached input), so it is never counted as an activation.
+    input_is_held: each chunk's first layer's input is alive anyway (the batch, or the
+        pipeline's cached input), so it is never counted as an activation.
+    sends_held: finished micro-batches' sends stay until the step's end (holds_sends).
+    While one chunk runs, the others hold their static bytes, their in-flight micro-batches,
+    their gradients and unsharded copies once they ran a backward, and (under pipelining) their
+    kept unsharded copies.
     """
-    seq = layers + ([loss] if loss is not None else [])
-    n = len(seq)
-    weights = sum(l.weights for l in layers)
-    optim = sum(l.optim for l in layers)
-    buffers = sum(l.buffers for l in layers) + static_buffers
-    grads_all = sum(l.grads for l in layers)
-    step_grads = sum(l.grads if l.step_grads is None else l.step_grads for l in layers)
-    kept_unsharded_all = sum(l.kept_unsharded for l in layers)
-    add = kept_bytes(seq, input_is_held)
-    per_mb = sum(add) + per_micro_batch_buffers        # one finished forward, held until its backward
-    first_input = 0 if input_is_held else seq[0].input
+    seqs = [c.layers + ([c.loss] if c.loss is not None else []) for c in chunks]
+    every = [l for c in chunks for l in c.layers]
+    weights = sum(l.weights for l in every)
+    optim = sum(l.optim for l in every)
+    buffers = sum(l.buffers for l in every) + sum(c.static_buffers for c in chunks)
+    grads_of = [sum(l.grads for l in c.layers) for c in chunks]
+    step_grads = sum(l.grads if l.step_grads is None else l.step_grads for l in every)
+    kept_unsharded_of = [sum(l.kept_unsharded for l in c.layers) for c in chunks]
+    left_of = [sum(l.unsharded_after_backward for l in c.layers) for c in chunks]
+    adds = [kept_bytes(seq, input_is_held) for seq in seqs]
+    per_mb_of = [sum(add) + c.per_micro_batch_buffers for add, c in zip(adds, chunks)]  # one finished forward, held until its backward
 
     timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
 
     def record(phase, grads, acts, other=0):
         timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
 
-    kept_upto = list(accumulate(l.kept_unsharded for l in seq))                  # layers 0..i
-    left_from = list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]  # layers i..n-1
+    walked = set()           # actions at the same moment give identical records: walk one
+    for moment, (kind, j, mb) in zip(moments(actions, len(chunks), sends_held), actions):
+        if moment in walked:
+            continue
+        walked.add(moment)
+        seq, add, loss, chunk = seqs[j], adds[j], chunks[j].loss, chunks[j]
+        layers, n = chunk.layers, len(seqs[j])
+        others = sum(h * p for h, p in zip(moment.held, per_mb_of)) \
+            + sum(d * c.sent_per_backward for d, c in zip(moment.done, chunks))
+        rest = [c for c in range(len(chunks)) if c != j]
+        other_grads = sum(grads_of[c] for c in rest if moment.grads[c])
+        other_fsdp = sum((0 if reshard_after_backward else kept_unsharded_of[c]) + (left_of[c] if moment.grads[c] else 0)
+                         for c in rest)
+        grads_all = grads_of[j]
+        grads_exist = moment.grads_here
+        first_input = 0 if input_is_held else seq[0].input
+        kept_upto = list(accumulate(l.kept_unsharded for l in seq))                  # layers 0..i
+        left_from = list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]  # layers i..n-1
 
-    def unsharded_through(i: int) -> int:
-        """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed
-        by their backward), or all of them under pipelining."""
-        return kept_upto[i] if reshard_after_backward else kept_unsharded_all
+        def unsharded_through(i: int) -> int:
+            """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed
+            by their backward), or all of them under pipelining."""
+            return (kept_upto[i] if reshard_after_backward else kept_unsharded_of[j]) + other_fsdp
 
-    def left_after(i: int) -> int:
-        """Unsharded copies the backwards of the layers after i left behind."""
-        return left_from[i + 1]
+        def left_after(i: int) -> int:
+            """Unsharded copies the backwards of the layers after i left behind."""
+            return left_from[i + 1]
 
-    held = 0                 # micro-batches between their F and their B
-    grads_exist = False      # after the first backward, every gradient stays allocated
-    walked = set()           # actions alike in what is live give identical records: walk one
-    for kind, mb in actions:
-        if kind == "B":
-            held -= 1
-        key = (kind, held, grads_exist)
-        if key not in walked:
-            walked.add(key)
-            others = held * per_mb
-            if kind == "F":
-                g = grads_all if grads_exist else 0
-                # This micro-batch's own per-micro-batch buffers (the stage output) appear only
-                # as its last layer's output; the held ones are in `others`.
-                kept = after_backward_buffers if grads_exist else 0
-                for i, l in enumerate(seq):
-                    x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
-                    prev_flat = seq[i - 1].gather_flat if i > 0 else 0
-                    fsdp = unsharded_through(i) + (left_after(i) if grads_exist else 0)
-                    name = f"F mb {mb} {_name(i, layers)}"
-                    if l.gather_flat or l.unsharded:
-                        record(name + " (gather)", g, others + kept + x_extra, fsdp + prev_flat + l.gather_flat + l.unsharded)
-                    record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient,
-                           fsdp + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
-                    kept += add[i]
-            else:
-                kept = per_mb
-                grads_done = 0
-                for i in reversed(range(n)):
-                    l = seq[i]
-                    g = grads_all if grads_exist else grads_done
-                    g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
-                    delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
-                    # Gathered ahead: the layer whose backward comes next (if it gathers);
-                    # still alive: the reduce-scatter input of the layer whose backward came before,
-                    # and the last layer's forward all-gather buffer while the loss runs.
-                    ahead = seq[i - 1].gather_flat if (i > 0 and seq[i - 1].gathers_in_backward and l is not loss) else 0
-                    behind = seq[i + 1].reduce_flat if i + 1 < n else 0
-                    if l is loss and i > 0:
-                        behind = seq[i - 1].gather_flat
-                    fsdp = unsharded_through(i) + left_after(i) + l.unsharded
-                    record(f"B mb {mb} {_name(i, layers)}", g, others + kept + g_out + delta, fsdp + ahead + behind)
-                    if l.gathers_in_backward:
-                        # Copy-out of this layer's all-gather: the previous reduction's input may
-                        # not be freed yet, nor the copy it made of the gradients (asynchronous
-                        # when there is someone to reduce with). Under pipelining the prefetch of
-                        # the layer before is issued while this layer's all-gather output can
-                        # still be held by the collective (measured with gloo).
-                        record(f"B mb {mb} {_name(i, layers)} (gather)", g, others + kept + g_out,
-                               fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind
-                               + (0 if reshard_after_backward else ahead))
-                    kept -= add[i]
-                    if i < len(layers):
-                        grads_done += l.grads
+        prefix = f"{kind} mb {mb} {chunk.name}"
         if kind == "F":
-            held += 1
+            g = (grads_all if grads_exist else 0) + other_grads
+            # This micro-batch's own per-micro-batch buffers (the stage output) appear only
+            # as its last layer's output; the held ones are in `others`.
+            kept = chunks[moment.after].after_backward_buffers if moment.after is not None else 0
+            for i, l in enumerate(seq):
+                x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
+                prev_flat = seq[i - 1].gather_flat if i > 0 else 0
+                fsdp = unsharded_through(i) + (left_after(i) if grads_exist else 0)
+                name = prefix + _name(i, layers)
+                if l.gather_flat or l.unsharded:
+                    record(name + " (gather)", g, others + kept + x_extra, fsdp + prev_flat + l.gather_flat + l.unsharded)
+                record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient,
+                       fsdp + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
+                kept += add[i]
         else:
-            grads_exist = True
-    final = [l for l in layers if l.step_grads is not None]
+            kept = per_mb_of[j]
+            grads_done = 0
+            for i in reversed(range(n)):
+                l = seq[i]
+                g = (grads_all if grads_exist else grads_done) + other_grads
+                g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
+                delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
+                # Gathered ahead: the layer whose backward comes next (if it gathers);
+                # still alive: the reduce-scatter input of the layer whose backward came before,
+                # and the last layer's forward all-gather buffer while the loss runs.
+                ahead = seq[i - 1].gather_flat if (i > 0 and seq[i - 1].gathers_in_backward and l is not loss) else 0
+                behind = seq[i + 1].reduce_flat if i + 1 < n else 0
+                if l is loss and i > 0:
+                    behind = seq[i - 1].gather_flat
+                fsdp = unsharded_through(i) + left_after(i) + l.unsharded
+                record(prefix + _name(i, layers), g, others + kept + g_out + delta, fsdp + ahead + behind)
+                if l.gathers_in_backward:
+                    # Copy-out of this layer's all-gather: the previous reduction's input may
+                    # not be freed yet, nor the copy it made of the gradients (asynchronous
+                    # when there is someone to reduce with). Under pipelining the prefetch of
+                    # the layer before is issued while this layer's all-gather output can
+                    # still be held by the collective (measured with gloo).
+                    record(prefix + _name(i, layers) + " (gather)", g, others + kept + g_out,
+                           fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind
+                           + (0 if reshard_after_backward else ahead))
+                kept -= add[i]
+                if i < len(layers):
+                    grads_done += l.grads
+    final = [l for l in every if l.step_grads is not None]
     if final:
         # Pipelining reduces the accumulated unsharded gradients at the step's end, layer by layer.
         # Each layer frees its unsharded copy, reduces its unsharded gradients through a flat
         # copy (and a temporary of the same size), then frees them for a sharded result: the
         # first layer's reduction is the high point.
-        still = kept_unsharded_all + sum(l.unsharded_after_backward for l in layers)
-        record("final gradient reduction", grads_all, 0, still + max(l.final_reduce_flat for l in final))
+        still = sum(kept_unsharded_of) + sum(left_of)
+        sends = sum(c.sent_per_backward for c in chunks) * (len(actions) // 2 // len(chunks)) if sends_held else 0
+        record("final gradient reduction", sum(grads_of), sends, still + max(l.final_reduce_flat for l in final))
     record("optimizer step", step_grads, 0)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])

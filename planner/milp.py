@@ -34,11 +34,12 @@ import sys
 import warnings
 from dataclasses import dataclass
 from itertools import product
+from types import SimpleNamespace
 
 from . import lp
 
 from .cost import Candidate, CostModel, must_offload
-from .memory import schedule_actions
+from .memory import Moment, holds_sends, peak_moments, schedule_actions
 from .plan import checkpoint_mode
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
@@ -68,34 +69,12 @@ def runs_of(signatures: list[str]) -> list[tuple[int, int]]:
     return runs
 
 
-@dataclass
-class Scenario:
-    """How many other micro-batches are in flight in each kind of record of one stage."""
-
-    f_nograd: int | None     # forwards before any backward
-    f_grad: int | None       # forwards after a backward (all gradients allocated)
-    b_first: int             # the step's first backward (gradients appear layer by layer)
-    b_later: int | None      # later backwards (all gradients allocated)
-
-
-def scenarios(cand: Candidate, stage: int) -> Scenario:
-    f0 = f1 = b1 = None
-    b0 = 0
-    held, seen_b = 0, False
-    for kind, _ in schedule_actions(cand.schedule, cand.pp, stage, cand.num_micro_batches):
-        if kind == "F":
-            if seen_b:
-                f1 = max(f1 or 0, held)
-            else:
-                f0 = max(f0 or 0, held)
-            held += 1
-        else:
-            held -= 1
-            if not seen_b:
-                b0, seen_b = held, True
-            else:
-                b1 = max(b1 or 0, held)
-    return Scenario(f0, f1, b0, b1)
+def _tag(mo: Moment, moments: list[Moment]) -> str:
+    """A row's name for a moment: f (forward) or b (backward), 0 or 1 (the running stage's
+    gradients absent or present), and a count where a stage has several such moments."""
+    tag = f"{mo.kind.lower()}{int(mo.grads_here)}"
+    alike = [o for o in moments if (o.chunk, o.kind, o.grads_here) == (mo.chunk, mo.kind, mo.grads_here)]
+    return tag if len(alike) == 1 else f"{tag}_{alike.index(mo)}"
 
 
 @dataclass
@@ -148,7 +127,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     layers, where the others are proven not to be needed)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
-    R, S = len(runs), cand.pp
+    R, S = len(runs), cand.n_stages
+    pp, v = cand.pp, cand.virtual_stages            # stage s runs on pp rank s % pp, as its chunk s // pp
     open_to = run_choices if run_choices is not None else [choices] * R    # open_to[r]: run r's choices
     m = cand.num_micro_batches
     limit = model.memory_limit if memory else None
@@ -163,16 +143,16 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     loss = model.loss(cand)
     fastest_in_run = [min(cost[r, c].micro_batch_s for c in open_to[r]) for r in range(R)]
 
-    # Under a cutoff, no stage of a layout that meets it is slower per micro-batch than
+    # Under a cutoff, no rank of a layout that meets it is slower per micro-batch than
     # tau_most: the step is at least every layer's fastest time, the loss and the boundaries'
-    # latency once, plus m - 1 times the slowest stage (CostModel.pipeline_step_s). So no
-    # stage holds more of a run than tau_most over the run's fastest layer allows. As bounds
-    # on the variables these shrink every big-M the rows derive from them.
+    # latency once (over v), plus m - 1/v times the slowest rank (CostModel.pipeline_step_s).
+    # So no stage holds more of a run than tau_most over the run's fastest layer allows. As
+    # bounds on the variables these shrink every big-M the rows derive from them.
     tau_most = None
-    if cutoff is not None and m > 1:
+    if cutoff is not None and m - 1 / v > 0:
         one_boundary = model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch if S > 1 else 0.0
         least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.compute_s + 2 * (S - 1) * one_boundary
-        tau_most = (cutoff * (1 + CUTOFF_SLACK) - least) / (m - 1)
+        tau_most = (cutoff * (1 + CUTOFF_SLACK) - least / v) / (m - 1 / v)
 
     def most(r: int, s: int) -> int:
         """How many of run r's layers stage s can hold: layer i fits stage s only if the s
@@ -200,8 +180,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     # lower memory, so the solver sets them to it whenever memory binds.
     kp = {k: prob.add_variable(f"kp_{v.name[2:]}", 0, 1) for k, v in gates.items()}
     E = {k: prob.add_variable(f"E_{v.name[2:]}", 0, 1) for k, v in gates.items()}
-    tau = prob.add_variable("tau", 0)            # slowest stage's time per micro-batch (ms)
-    omega = prob.add_variable("omega", 0)        # slowest stage's once-per-step work (ms)
+    tau = prob.add_variable("tau", 0)            # slowest rank's time per micro-batch (ms): its stages together
+    omega = prob.add_variable("omega", 0)        # slowest rank's once-per-step work (ms)
     exposed = {s: prob.add_variable(f"exposed_sync_s{s}", 0) for s in range(S)}  # gradient all-reduce not hidden by backward (ms)
 
     stage_times = {}                             # each stage's time per micro-batch (ms), built below
@@ -235,8 +215,18 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     run_input = [model.sample(start, cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
 
-    def add_stage_memory_rows(s: int, seg: list, stage_in, stage_out) -> None:
-        """The memory rows of stage s: every record of memory.walk_stage that can be its peak."""
+    seg = [(r, c) for r in range(R) for c in open_to[r]]   # a stage's segments, in order
+    # The activation a stage receives, and the one it sends (its last layer's output).
+    stage_in = {s: lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0 for s in range(S)}
+    stage_out = {s: (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if s < S - 1
+                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes) for s in range(S)}
+    sums: dict = {}                     # stage -> its byte sums (stage_sums), made when first needed
+    sends_held = holds_sends(cand.schedule)
+
+    def stage_sums(s: int) -> SimpleNamespace:
+        """Stage s's byte sums over its layers (with the rows that define its keeps-output chain)."""
+        if s in sums:
+            return sums[s]
         nonlocal prob                   # `prob += row` rebinds the name
         last_stage = s == S - 1
         mem = {k: cost[k].memory for k in seg}
@@ -255,9 +245,12 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # The tensors a pipeline stage receives and sends (CostModel.stage_buffers): receive
         # buffers for every micro-batch (static), the stage output per in-flight micro-batch,
         # and what a forward that follows a backward still sees of it.
-        pmb = stage_out if S > 1 else 0
-        recv_buffers = m * ((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0
-        after_backward = ((stage_in if s > 0 else 0) + (stage_out if last_stage else 0)) if S > 1 else 0
+        pmb = stage_out[s] if S > 1 else 0
+        recv_buffers = m * ((stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)) if S > 1 else 0
+        after_backward = ((stage_in[s] if s > 0 else 0) + (stage_out[s] if last_stage else 0)) if S > 1 else 0
+        sent = 0
+        if sends_held:                  # the interleaved schedule holds every send instead
+            after_backward, sent = 0, (stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)
 
         # What each segment keeps for backward in one micro-batch, and its prefix sums.
         def seg_total(r, c):
@@ -270,7 +263,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
         totals = {k: seg_total(*k) for k in seg}
         # The loss, on the last stage, after all segments.
-        loss_add = 0
+        loss_add, loss_kp = 0, 0
         if last_stage:
             lm = loss.memory
             loss_kp = prev_E
@@ -290,17 +283,55 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # else those of the layers up to the current one (`through` below).
         resharded = S == 1
         compute_static = static + (0 if resharded else kept_unsharded)
+        uab_all = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg)
+        sums[s] = SimpleNamespace(
+            last_stage=last_stage, mem=mem, totals=totals, per_mb=per_mb, pmb=pmb, static=static,
+            compute_static=compute_static, grads_all=grads_all, step_grads=step_grads, kept_unsharded=kept_unsharded,
+            uab_all=uab_all, after_backward=after_backward, sent=sent, loss_add=loss_add, loss_kp=loss_kp, resharded=resharded)
+        return sums[s]
 
-        sc = scenarios(cand, s)
-        add_memory_row(prob, static + step_grads, limit, None, f"mem_s{s}_optimizer_step")
+    def add_stage_memory_rows(s: int) -> None:
+        """The memory rows of stage s: every record of memory.walk_rank that can be its rank's
+        peak while s runs, at the moments that can peak (memory.peak_moments)."""
+        nonlocal prob                   # `prob += row` rebinds the name
+        rank, chunk = s % pp, s // pp
+        mine = [stage_sums(t) for t in range(rank, S, pp)]          # the rank's stages, this one at `chunk`
+        x = mine[chunk]
+        last_stage, mem, totals, per_mb, pmb = x.last_stage, x.mem, x.totals, x.per_mb, x.pmb
+        static, compute_static, grads_all, step_grads = x.static, x.compute_static, x.grads_all, x.step_grads
+        kept_unsharded, loss_add, loss_kp, resharded = x.kept_unsharded, x.loss_add, x.loss_kp, x.resharded
+        rest = [y for j, y in enumerate(mine) if j != chunk]
+        moments = peak_moments(schedule_actions(cand.schedule, pp, rank, m, v), v, sends_held)
+        fwd = [(_tag(mo, moments), mo) for mo in moments if mo.chunk == chunk and mo.kind == "F"]
+        bwd = [(_tag(mo, moments), mo) for mo in moments if mo.chunk == chunk and mo.kind == "B"]
+
+        def others(mo: Moment):
+            """What the rank's other stages hold at this moment (memory.walk_rank): their static
+            bytes and kept unsharded copies, their in-flight micro-batches, their gradients and
+            unsharded copies once they ran a backward; in a forward, what the last backward left;
+            and every stage's held sends."""
+            out = 0
+            for j, y in enumerate(mine):
+                if j != chunk:
+                    out = out + y.compute_static + mo.held[j] * y.per_mb + ((y.grads_all + y.uab_all) if mo.grads[j] else 0)
+            if mo.kind == "F" and mo.after is not None:
+                out = out + mine[mo.after].after_backward
+            for j, done in enumerate(mo.done):
+                out = out + done * mine[j].sent
+            return out
+
+        if chunk == 0:                  # one row for the rank
+            add_memory_row(prob, lp.lin_sum(y.static + y.step_grads for y in mine) if rest else static + step_grads,
+                           limit, None, f"mem_s{s}_optimizer_step")
         if any(mem[q].step_grads is not None for q in seg):
             # Pipelining reduces the accumulated unsharded gradients at the step's end.
             biggest = add_bytes_variable(prob, f"final_reduce_s{s}", max(mem[q].final_reduce_flat for q in seg), limit)
             for (r, c) in seg:
                 add_bytes_bound(prob, biggest, mem[r, c].final_reduce_flat * e[r, s, c], limit, f"final_reduce_{L[r, s, c].name[2:]}")
             left = lp.lin_sum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
-            add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest, limit, None,
-                           f"mem_s{s}_final_reduce")
+            add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest
+                           + lp.lin_sum(y.static + y.grads_all + y.kept_unsharded + y.uab_all for y in rest)
+                           + lp.lin_sum(m * y.sent for y in mine), limit, None, f"mem_s{s}_final_reduce")
 
         # FSDP2 buffers of neighbouring layers (memory.walk_stage): chains over the stage's
         # segments give the all-gather buffer of the layer before a segment (forward, and
@@ -363,11 +394,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             here = lm.own + lm.output + lm.fwd_transient + lm.unsharded + lm.gather_flat
             name = L[k].name[2:]
             # -- forward records: the segment's first layer and its last -------------------
-            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
-                if held is None:
-                    continue
-                base = compute_static + held * per_mb + prefix + grads
-                after = (lambda count: left_after(count)) if tag == "f1" else (lambda count: 0)
+            for tag, mo in fwd:
+                grads = (grads_all if mo.grads_here else 0) + others(mo)
+                base = compute_static + mo.held[chunk] * per_mb + prefix + grads
+                after = (lambda count: left_after(count)) if mo.grads_here else (lambda count: 0)
                 first = base + lm.input * (1 - kp[k]) + through(1) + after(L[k] - 1)
                 last = base + total - a_in + lm.input * (1 - ko) + through(L[k]) + after(0)
                 add_memory_row(prob, first + here, limit, e[k], f"mem_{name}_{tag}_first")
@@ -386,11 +416,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             # buffers: the segment's first layer sees the layer before it, its last layer the
             # one after it; layers inside see their own kind. Inside, the record is affine in j,
             # so j = 1 and j = L-2 bound it (when L >= 3).
-            for tag, held, first_bwd in (("b0", sc.b_first, True), ("b1", sc.b_later, False)):
-                if held is None:
-                    continue
+            for tag, mo in bwd:
+                first_bwd = not mo.grads_here
                 delta = lm.bwd_peak if first_bwd else lm.bwd_accum_peak
-                base = compute_static + held * per_mb + pmb + prefix + gout + delta + lm.unsharded
+                base = compute_static + mo.held[chunk] * per_mb + pmb + prefix + gout + delta + lm.unsharded + others(mo)
                 grads = (lambda after: g_after + lm.grads * after) if first_bwd else (lambda after: grads_all)
                 rows = [   # (where, kept through it, gradients, layers up to it, layers after it, ahead, behind, gate)
                     ("first", a_first, grads(L[k] - 1), 1, L[k] - 1, before_bflat[r, c], lm.reduce_flat, f[k]),
@@ -426,76 +455,76 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # switches those rows off in the relaxation, which then saw no activation memory at all
         # (70B, 8 stages of ZeRO-3: root bound 18.2 -> 18.6 s of the 19.0 s optimum; ZeRO-2's
         # cutoff proof 9 s -> 2 s).
-        uab_all = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg)
-        for tag, held, first_bwd in (("b0", sc.b_first, True), ("b1", sc.b_later, False)):
-            if held is None:
-                continue
+        uab_all = x.uab_all
+        for tag, mo in bwd:
+            first_bwd, held = not mo.grads_here, mo.held[chunk]
             floor = min(mem[q].output + (mem[q].bwd_peak if first_bwd else mem[q].bwd_accum_peak) + mem[q].unsharded
                         for q in seg)
             add_memory_row(prob, compute_static + held * per_mb + pmb + prefix + u_prefix + floor
-                           + (0 if first_bwd else grads_all), limit, None, f"cut_mem_s{s}_{tag}_last_layer")
-            others = (grads_all - max(mem[q].grads for q in seg)) if first_bwd else grads_all
-            add_memory_row(prob, compute_static + held * per_mb + pmb + others + uab_all
-                           - max(mem[q].unsharded_after_backward for q in seg) + floor, limit, None,
+                           + (0 if first_bwd else grads_all) + others(mo), limit, None, f"cut_mem_s{s}_{tag}_last_layer")
+            other_grads = (grads_all - max(mem[q].grads for q in seg)) if first_bwd else grads_all
+            add_memory_row(prob, compute_static + held * per_mb + pmb + other_grads + uab_all
+                           - max(mem[q].unsharded_after_backward for q in seg) + floor + others(mo), limit, None,
                            f"cut_mem_s{s}_{tag}_first_layer")
         if last_stage:
             lm = loss.memory
             x_extra = lm.input * (1 - loss_kp)
-            for tag, held, grads in (("f0", sc.f_nograd, 0), ("f1", sc.f_grad, grads_all + after_backward)):
-                if held is None:
-                    continue
-                add_memory_row(prob, compute_static + u_prefix + held * per_mb + prefix + grads + x_extra + lm.own
+            for tag, mo in fwd:
+                grads = (grads_all if mo.grads_here else 0) + others(mo)
+                add_memory_row(prob, compute_static + u_prefix + mo.held[chunk] * per_mb + prefix + grads + x_extra + lm.own
                                + lm.output + lm.fwd_transient + last_flat, limit, None, f"mem_s{s}_loss_{tag}")
-            add_memory_row(prob, compute_static + u_prefix + sc.b_first * per_mb + pmb + prefix + loss_add + lm.bwd_peak
-                           + last_flat, limit, None, f"mem_s{s}_loss_b0")
-            if sc.b_later is not None:
-                add_memory_row(prob, compute_static + u_prefix + sc.b_later * per_mb + pmb + prefix + loss_add + grads_all
-                               + lm.bwd_accum_peak + last_flat, limit, None, f"mem_s{s}_loss_b1")
+            for tag, mo in bwd:
+                first_bwd = not mo.grads_here
+                add_memory_row(prob, compute_static + u_prefix + mo.held[chunk] * per_mb + pmb + prefix + loss_add
+                               + (0 if first_bwd else grads_all) + (lm.bwd_peak if first_bwd else lm.bwd_accum_peak)
+                               + last_flat + others(mo), limit, None, f"mem_s{s}_loss_{tag}")
 
+    once = {}                                    # each stage's once-per-step work (ms)
     for s in range(S):
         last_stage = s == S - 1
-        seg = [(r, c) for r in range(R) for c in open_to[r]]   # the stage's segments, in order
-        stage_in = lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0
-        stage_out = (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if not last_stage
-                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes)
         if limit is not None:             # without a limit the rows are not needed (nor built)
-            add_stage_memory_rows(s, seg, stage_in, stage_out)
+            add_stage_memory_rows(s)
 
         # -- time (CostModel.time_terms, the cost model's own definition) ----------------
         terms = model.time_terms(
             cand,
             layers_s=lp.lin_sum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg),
             loss_s=loss.compute_s if last_stage else 0.0,
-            sent_bytes=((stage_in if s > 0 else 0) + (stage_out if not last_stage else 0)) if S > 1 else 0,
+            sent_bytes=((stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)) if S > 1 else 0,
             boundaries=(s > 0) + (not last_stage) if S > 1 else 0,
             step_s=lp.lin_sum(cost[r, c].step_s * L[r, s, c] for r, c in seg),
             sync_s=lp.lin_sum(cost[r, c].sync_s * L[r, s, c] for r, c in seg),
             compute_s=lp.lin_sum(cost[r, c].compute_s * L[r, s, c] for r, c in seg))
         stage_times[s] = terms.per_micro_batch * MS
-        prob += tau >= stage_times[s], f"time_s{s}_per_micro_batch"
+        if s + pp >= S:                  # the rank's last stage: its time is its stages' together
+            rank = f"s{s}" if v == 1 else f"rank{s % pp}"
+            prob += tau >= lp.lin_sum(stage_times[t] for t in range(s % pp, S, pp)), f"time_{rank}_per_micro_batch"
         if any(cost[k].sync_s for k in cost):
             prob += exposed[s] >= terms.sync_minus_window * MS, f"time_s{s}_exposed_sync"
-        prob += omega >= exposed[s] + terms.step * MS, f"time_s{s}_once_per_step"
+        once[s] = exposed[s] + terms.step * MS
+        if s + pp >= S:
+            prob += omega >= lp.lin_sum(once[t] for t in range(s % pp, S, pp)), f"time_{rank}_once_per_step"
 
     # -- host memory: a node's ranks together keep their offloaded states within its host memory
     if limit is not None and any(cost[k].memory.host for k in cost):
         host_limit = model.hw.usable_host_bytes()
-        stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for r in range(R) for c in open_to[r] if c.offload)
-                      for s in range(S)]
+        stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for s in range(rank, S, pp)
+                                 for r in range(R) for c in open_to[r] if c.offload)
+                      for rank in range(pp)]     # one rank of each pp rank's stages
         for kind, counts in enumerate(model.ranks_per_stage_on_nodes(cand)):   # CostModel.host_peak_bytes, as rows
             node = lp.lin_sum(n * h for n, h in zip(counts, stage_host) if n)
             prob += node * (1 / host_limit) <= 1, f"host_memory_node_kind{kind}"
 
-    step_time = model.pipeline_step_s(m, lp.lin_sum(stage_times.values()), tau, omega)
+    step_time = model.pipeline_step_s(m, v, lp.lin_sum(stage_times.values()), tau, omega)
     prob += step_time, "step_time"
 
-    # Valid cut: some stage holds at least ceil(n / S) layers, so tau is at least as large as
+    # Valid cut: some rank holds at least ceil(n / pp) layers, so tau is at least as large as
     # that many of the fastest layers take. The relaxation balances layers fractionally and
     # misses this; with it, balanced layouts of identical layers are proven optimal at once.
     fastest = sorted(t for (_, length), t in zip(runs, fastest_in_run) for _ in range(length))
-    prob += tau >= sum(fastest[: -(-n // S)]) * MS, "cut_fullest_stage"
-    for r, (_, length) in enumerate(runs):   # some stage holds ceil(len/S) of run r
-        prob += tau >= -(-length // S) * fastest_in_run[r] * MS, f"cut_fullest_stage_run{r}"
+    prob += tau >= sum(fastest[: -(-n // pp)]) * MS, "cut_fullest_stage"
+    for r, (_, length) in enumerate(runs):   # some rank holds ceil(len/pp) of run r
+        prob += tau >= -(-length // pp) * fastest_in_run[r] * MS, f"cut_fullest_stage_run{r}"
 
     if fixed is not None:
         for s, layers in enumerate(fixed):

@@ -19,7 +19,7 @@ from profiles.schema import Profile
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
-from .plan import CHECKPOINT_MODES, tp_within_nodes, wraps_layers
+from .plan import CHECKPOINT_MODES, SCHEDULES, tp_within_nodes, wraps_layers
 
 
 class SolveError(Exception):
@@ -41,6 +41,7 @@ class SolveOptions:
     micro_batch: int | None = None
     zero: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None         # stages per pp rank under the interleaved schedule (pins it)
     checkpoint: str = "auto"                 # none | selective | all | auto (milp.CHECKPOINT_FLAGS)
     offload: str = "auto"                    # none | auto
     time_limit: float = 20.0                 # seconds per MILP; past it the layout is reported as unproven
@@ -120,8 +121,19 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--global-batch {g} is not divisible by --micro-batch {opts.micro_batch}; use a multiple of it.")
     if opts.zero is not None and opts.zero not in (0, 1, 2, 3):
         raise SolveError(f"--zero {opts.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
-    if opts.schedule is not None and opts.schedule not in ("1f1b", "gpipe"):
-        raise SolveError(f"--schedule {opts.schedule} is not one the planner lays out; use 1f1b or gpipe.")
+    if opts.schedule is not None and opts.schedule not in SCHEDULES:
+        raise SolveError(f"--schedule {opts.schedule} is not one the planner lays out; use {', '.join(SCHEDULES)}.")
+    if opts.virtual_stages is not None:
+        if opts.schedule not in (None, "interleaved"):
+            raise SolveError(f"--virtual-stages applies to the interleaved schedule, not {opts.schedule}; "
+                             "use --schedule interleaved or drop --virtual-stages.")
+        if opts.virtual_stages < 2:
+            raise SolveError(f"--virtual-stages is {opts.virtual_stages}; the interleaved schedule runs 2 or more stages a rank.")
+        if opts.pp and opts.pp * opts.virtual_stages > profile.n_layers:
+            raise SolveError(f"--pp {opts.pp} x --virtual-stages {opts.virtual_stages} is more stages than the model's "
+                             f"{profile.n_layers} layers; use fewer.")
+    if (opts.schedule == "interleaved" or opts.virtual_stages) and opts.pp == 1:
+        raise SolveError("the interleaved schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
     if opts.checkpoint not in CHECKPOINT_FLAGS:
         raise SolveError(f"--checkpoint {opts.checkpoint} is not one of {', '.join(CHECKPOINT_FLAGS)}.")
     if opts.offload not in ("none", "auto"):
@@ -159,13 +171,34 @@ def enumerate_candidates(profile: Profile, opts: SolveOptions):
                 continue
             for b in micro_batch_sizes(profile, g // dp, opts.micro_batch):
                 m = g // (dp * b)
-                for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
-                    if opts.schedule and pp > 1 and schedule != opts.schedule:
-                        continue
-                    if pp > 1 and schedule == "1f1b" and m < pp:
-                        continue
+                for schedule, v in pipeline_schedules(profile, opts, pp, m):
                     for zero, fsdp, offload in _data_parallel_modes(profile, dp, opts):
-                        yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload)
+                        yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload, v)
+
+
+FREE_VIRTUAL_STAGES = (2, 4)   # v the search tries when --virtual-stages is free
+
+
+def pipeline_schedules(profile: Profile, opts: SolveOptions, pp: int, m: int):
+    """(schedule, stages per rank) the runtime can run for pp ranks and m micro-batches: 1F1B
+    and interleaved 1F1B need m >= pp, and torch's interleaved schedule m a multiple of its
+    rounds (m // pp of them; runtime/pipeline.schedule_problem); each stage needs a layer."""
+    if pp == 1:
+        if not (opts.schedule == "interleaved" or opts.virtual_stages):
+            yield "1f1b", 1
+        return
+    pinned = opts.schedule or ("interleaved" if opts.virtual_stages else None)
+    for schedule in SCHEDULES:
+        if (pinned and schedule != pinned) or (schedule != "gpipe" and m < pp):
+            continue
+        if schedule != "interleaved":
+            yield schedule, 1
+            continue
+        if m % (m // pp):
+            continue
+        for v in ([opts.virtual_stages] if opts.virtual_stages else FREE_VIRTUAL_STAGES):
+            if pp * v <= profile.n_layers:
+                yield schedule, v
 
 
 def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
@@ -187,17 +220,17 @@ def _data_parallel_modes(profile: Profile, dp: int, opts: SolveOptions):
 def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     """No layout of this candidate is faster.
 
-    step = sum of the stages' times per micro-batch + (m - 1) * tau + omega
-    (CostModel.pipeline_step_s), with tau at least every stage's time per micro-batch and
-    omega at least every stage's once-per-step work (CostModel.time_terms: optimizer and
-    broadcasts, plus gradient collectives less what half the backward hides, never below 0).
-    Both are at least their average over stages, and the stages' times add up to at least
-    their layers' and the loss's, so
-        step >= sum over layers of min over choices of ((m + pp - 1) * t + once + sync - hidden) / pp
-    and the same without the sync term; also tau is at least the fullest stage's time. Each
+    step = (sum of the stages' times per micro-batch) / v + (m - 1/v) * tau + omega
+    (CostModel.pipeline_step_s), with tau at least every rank's time per micro-batch (its v
+    stages') and omega at least every rank's once-per-step work (CostModel.time_terms:
+    optimizer and broadcasts, plus gradient collectives less what half the backward hides,
+    never below 0). Both are at least their average over ranks, and the stages' times add up
+    to at least their layers' and the loss's, so
+        step >= sum over layers of min over choices of ((m + (pp - 1) / v) * t + once + sync - hidden) / pp
+    and the same without the sync term; also tau is at least the fullest rank's time. Each
     layer's best choice is taken on its own: a lower bound.
     """
-    m, pp = cand.num_micro_batches, cand.pp
+    m, pp, v = cand.num_micro_batches, cand.pp, cand.virtual_stages
     runs = runs_of([l.signature for l in model.profile.layers])
     ov = model.hw.collective_overlap
     with_sync = without_sync = 0.0
@@ -208,7 +241,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         for c in choices:
             lc = model.layer(cand, start, c.checkpoint, c.offload)
             t = lc.micro_batch_s
-            wo = (m + pp - 1) * t + lc.step_s
+            wo = (m + (pp - 1) / v) * t + lc.step_s
             w = wo + lc.sync_s - ov * 0.5 * lc.compute_s
             best_w = w if best_w is None else min(best_w, w)
             best_wo = wo if best_wo is None else min(best_wo, wo)
@@ -218,8 +251,8 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         fullest_run = max(fullest_run, -(-length // pp) * best_t)
         fastest_each += [best_t] * length
     loss_s = model.loss(cand).compute_s
-    loss = (m + pp - 1) * loss_s
-    # Some stage holds at least ceil(n / pp) layers, so it takes at least as long as that
+    loss = (m + (pp - 1) / v) * loss_s
+    # Some rank holds at least ceil(n / pp) layers, so it takes at least as long as that
     # many of the fastest layers; with pp > 1 it also exchanges one activation.
     n = len(fastest_each)
     fullest = max(fullest_run, sum(sorted(fastest_each)[: -(-n // pp)]))
@@ -228,7 +261,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
                        for start, length in runs for i in (start, start + length - 1) if i > 0)
         fullest += model.time_terms(cand, 0.0, 0.0, smallest, 1, 0.0, 0.0, 0.0).per_micro_batch
     return max((with_sync + loss) / pp, (without_sync + loss) / pp,
-               model.pipeline_step_s(m, sum(fastest_each) + loss_s, fullest, 0.0))
+               model.pipeline_step_s(m, v, sum(fastest_each) + loss_s, fullest, 0.0))
 
 
 def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
@@ -297,7 +330,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         # lower bound for this candidate, and when it fits, the candidate's optimum.
         # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
         # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
-        twin = dataclasses.replace(cand, schedule="1f1b")
+        twin = dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
         free = free_layouts.get(twin)
         if free is None or free.status == "time limit":
             free, milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
@@ -415,7 +448,7 @@ def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple
 
 def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, str, bool]]]:
     """Layers split evenly over the stages, every one with choice c."""
-    n, pp = model.profile.n_layers, cand.pp
+    n, pp = model.profile.n_layers, cand.n_stages
     bounds = [round(k * n / pp) for k in range(pp + 1)]
     return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(pp)]
 

@@ -1,6 +1,6 @@
 """One step's pipeline timeline: when each stage runs each micro-batch's forward and backward.
 
-Every stage runs memory.schedule_actions' order; an action starts once its stage is free and
+Every pp rank runs memory.schedule_actions' order; an action starts once its stage is free and
 its inputs exist: F(s, j) after F(s - 1, j), B(s, j) after F(s, j) and B(s + 1, j). With the
 cost model's per-stage times this is what `plan show --plot` draws, and the reference
 tests/test_step_time.py holds CostModel.pipeline_step_s to. Torch-free.
@@ -22,30 +22,32 @@ class Action:
     end_s: float
 
 
-def schedule_timeline(schedule: str, fwd: list[float], bwd: list[float], m: int) -> list[Action]:
-    """Every action of one step, stage by stage (fwd[s], bwd[s]: stage s's time per micro-batch)."""
-    pp = len(fwd)
-    orders = [schedule_actions(schedule, pp, s, m) for s in range(pp)]
+def schedule_timeline(schedule: str, fwd: list[float], bwd: list[float], m: int, v: int = 1) -> list[Action]:
+    """Every action of one step, stage by stage (fwd[s], bwd[s]: stage s's time per
+    micro-batch; v stages a rank, stage s on rank s % pp)."""
+    n_stages = len(fwd)
+    pp = n_stages // v
+    orders = [[(kind, chunk * pp + r, j) for kind, chunk, j in schedule_actions(schedule, pp, r, m, v)] for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}
     clock, pos = [0.0] * pp, [0] * pp
     actions: list[Action] = []
-    while any(pos[s] < len(orders[s]) for s in range(pp)):
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
         moved = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, s, j = orders[r][pos[r]]
                 deps = ([("F", s - 1, j)] if s > 0 else []) if kind == "F" else \
-                    [("F", s, j)] + ([("B", s + 1, j)] if s < pp - 1 else [])
+                    [("F", s, j)] + ([("B", s + 1, j)] if s < n_stages - 1 else [])
                 if not all(d in done for d in deps):
                     break
-                start = max([clock[s]] + [done[d] for d in deps])
-                clock[s] = start + (fwd[s] if kind == "F" else bwd[s])
-                done[kind, s, j] = clock[s]
-                actions.append(Action(s, kind, j, start, clock[s]))
-                pos[s] += 1
+                start = max([clock[r]] + [done[d] for d in deps])
+                clock[r] = start + (fwd[s] if kind == "F" else bwd[s])
+                done[kind, s, j] = clock[r]
+                actions.append(Action(s, kind, j, start, clock[r]))
+                pos[r] += 1
                 moved = True
         if not moved:
-            raise ValueError(f"the {schedule} schedule deadlocked for {pp} stages and {m} micro-batches")
+            raise ValueError(f"the {schedule} schedule deadlocked for {n_stages} stages and {m} micro-batches")
     return actions
 
 

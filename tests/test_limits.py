@@ -29,6 +29,19 @@ def test_pinned_checkpoint_all_stays_in_every_layout(flag, mode):
         assert all(ck == "none" for st in free.solutions[0].stages for _, ck, _ in st)   # so "all" was kept, not free
 
 
+@pytest.mark.parametrize("v", [2, 3])
+def test_pinned_interleaved_schedule_stays_in_every_layout(v):
+    """--schedule interleaved --virtual-stages v: every listed layout runs v stages a rank."""
+    prof = random_profile(random.Random(3), 6)
+    result = search(prof, SolveOptions(gpus=2, hardware=roomy_cpu(), global_batch=8, schedule="interleaved",
+                                       virtual_stages=v, top_k=3))
+    assert result.solutions
+    for sol in result.solutions:
+        c = sol.candidate
+        assert (c.pp, c.schedule, c.virtual_stages, len(sol.stages)) == (2, "interleaved", v, 2 * v)
+        assert [i for st in sol.stages for i, _, _ in st] == list(range(6))
+
+
 def test_no_fit_explanation_names_a_limit_that_fits():
     """When nothing fits, the shortfall is positive, in a unit that suits it, and the limit it
     suggests is one at which a layout fits (a lower bound on memory is not such a limit)."""

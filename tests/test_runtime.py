@@ -89,6 +89,8 @@ CASES = {
     "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
     "pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=ADAMW),
     "pp2_tp2": make_plan(pp=2, tp=2, m=2, schedule="gpipe", optimizer=SGD),
+    "pp2_dp2_interleaved": make_plan(pp=2, dp=2, zero=3, virtual=2, m=4, schedule="interleaved", selective={1, 2},
+                                     optimizer=MOMENTUM),
     # gradient clipping by the global norm, with a warm-up and cosine schedule (CONFIGS)
     "clip_offload_zero2": make_plan(dp=2, zero=2, offload={1}, optimizer=MOMENTUM),
     "clip_dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),

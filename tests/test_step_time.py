@@ -212,10 +212,10 @@ def test_collectives_are_measured_for_every_kind_in_real_processes():
     assert {r["processes"] for r in rows} == {2} and {r["group"] for r in rows} == {2}
 
 
-def simulate_pipeline(schedule: str, fwd: list[float], bwd: list[float], m: int) -> float:
+def simulate_pipeline(schedule: str, fwd: list[float], bwd: list[float], m: int, v: int = 1) -> float:
     """Makespan of one step, action by action (planner.timeline; sends are free)."""
     from planner.timeline import makespan, schedule_timeline
-    return makespan(schedule_timeline(schedule, fwd, bwd, m))
+    return makespan(schedule_timeline(schedule, fwd, bwd, m, v))
 
 
 def test_pipeline_step_matches_a_simulation_of_the_schedule():
@@ -230,7 +230,7 @@ def test_pipeline_step_matches_a_simulation_of_the_schedule():
         fwd = [rng.uniform(1, 10) for _ in range(pp)]
         bwd = [2 * f for f in fwd]                       # one ratio: the slowest stage is slowest both ways
         t = [f + b for f, b in zip(fwd, bwd)]
-        formula = CostModel.pipeline_step_s(m, sum(t), max(t), 0.0)
+        formula = CostModel.pipeline_step_s(m, 1, sum(t), max(t), 0.0)
         assert formula == pytest.approx(simulate_pipeline("gpipe", fwd, bwd, m), rel=1e-9)
         sim = simulate_pipeline("1f1b", fwd, bwd, m)
         assert formula >= sim * (1 - 1e-9)
@@ -241,3 +241,34 @@ def test_pipeline_step_matches_a_simulation_of_the_schedule():
             xs[k], xs[-1] = xs[-1], xs[k]
         assert formula == pytest.approx(simulate_pipeline("1f1b", fwd, bwd, m), rel=1e-9)
     assert sorted(over_1f1b)[len(over_1f1b) // 2] < 0.05 < sorted(over_old)[len(over_old) // 2]
+
+
+def test_interleaved_order_is_torchs():
+    """memory.schedule_actions' interleaved order is the one torch's ScheduleInterleaved1F1B
+    computes for each rank (its own method, idle slots dropped). Uses torch."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    from planner.memory import schedule_actions
+    for pp in (2, 3, 4):
+        for v in (2, 3, 4):
+            for m in (pp, pp + 1, 2 * pp, 3 * pp, 2 * pp + 2):
+                rounds = max(1, m // pp)
+                if m % rounds:
+                    continue
+                schedule = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=pp,
+                                           _n_microbatches=m)
+                for rank in range(pp):
+                    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
+                    torch_order = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // pp,
+                                    a.microbatch_index) for a in ops if a is not None]
+                    assert schedule_actions("interleaved", pp, rank, m, v) == torch_order, (pp, v, m, rank)
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(pp, v, m):
+    """Narayanan et al. (SC 2021): with v stages a rank the bubble is (p - 1) / (v m) of the
+    ideal time, identical stages; and the schedule run action by action takes as long."""
+    fwd, bwd = [1.0] * (pp * v), [2.0] * (pp * v)
+    ideal = m * v * 3.0
+    formula = CostModel.pipeline_step_s(m, v, 3.0 * pp * v, 3.0 * v, 0.0)
+    assert (formula - ideal) / ideal == pytest.approx((pp - 1) / (v * m), rel=1e-12)
+    assert simulate_pipeline("interleaved", fwd, bwd, m, v) == pytest.approx(formula, rel=1e-9)
