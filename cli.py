@@ -320,7 +320,8 @@ def solve(
     pp: Optional[int] = typer.Option(None, help="Pin the pipeline-parallel degree."),
     micro_batch: Optional[int] = typer.Option(None, help="Pin the micro-batch size."),
     zero: Optional[int] = typer.Option(None, help="Pin the ZeRO stage (0-3)."),
-    schedule: Optional[str] = typer.Option(None, help="Pin the pipeline schedule: 1f1b | gpipe."),
+    schedule: Optional[str] = typer.Option(None, help="Pin the pipeline schedule: 1f1b | gpipe | interleaved (several stages a rank)."),
+    virtual_stages: Optional[int] = typer.Option(None, help="Pin the stages per pipeline rank of the interleaved schedule (2 or more; implies --schedule interleaved; free: 2 or 4)."),
     checkpoint: str = typer.Option("auto", help="Activation checkpointing, every layer pinned to one mode: none | selective (recompute all but matmuls and attention) | all (recompute the whole layer); or auto: each layer's mode solved."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
@@ -339,7 +340,8 @@ def solve(
         limit = parse_size(memory_limit, what="--memory-limit") if memory_limit else None
         opts = SolveOptions(gpus=gpus, hardware=hw, gpus_per_node=gpus_per_node, global_batch=global_batch,
                             memory_limit=limit, top_k=top, solver=solver, dp=dp, tp=tp, pp=pp,
-                            micro_batch=micro_batch, zero=zero, schedule=schedule, checkpoint=checkpoint,
+                            micro_batch=micro_batch, zero=zero, schedule=schedule, virtual_stages=virtual_stages,
+                            checkpoint=checkpoint,
                             offload=offload, time_limit=time_limit)
         with Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as bar:

@@ -2,8 +2,9 @@
 
 For examples/gpt.py and examples/mlp.py, profiles the model on this CPU, builds a matrix of
 plans with the cost model (one process at micro-batch 1, 2 and 4; checkpointing some and all
-layers; selective checkpointing alone, beside full, under ZeRO 3, tp2 and pp2; offload; ZeRO 0-3; dp2; tp2; pp2 with 1F1B and GPipe; dp2 x tp2; pp2 x dp2; mixed
-precision), runs each with the runtime under torchrun (CPU processes, gloo), and prints per
+layers; selective checkpointing alone, beside full, under ZeRO 3, tp2 and pp2; offload; ZeRO 0-3;
+dp2; tp2; pp2 with 1F1B, GPipe and interleaved 1F1B (two stages a rank); dp2 x tp2; pp2 x dp2,
+also interleaved; mixed precision), runs each with the runtime under torchrun (CPU processes, gloo), and prints per
 stage the predicted and measured peak memory and the error, plus predicted and measured step
 time (only indicative on CPU processes sharing two cores).
 
@@ -47,6 +48,7 @@ class Case:
     m: int = 1
     zero: int = 0
     schedule: str = "1f1b"
+    v: int = 1                    # stages per pp rank (interleaved)
     checkpoint: str = "none"      # none | some | all | selective (every layer) | mixed (selective, every other full)
     offload: str = "none"         # none | some
     precision: str = "fp32"
@@ -73,6 +75,9 @@ CASES = [
     Case("tp2", tp=2),
     Case("pp2 1f1b", pp=2, m=4),
     Case("pp2 gpipe", pp=2, m=4, schedule="gpipe"),
+    Case("pp2 interleaved v2", pp=2, v=2, m=4, schedule="interleaved"),
+    Case("pp2 x dp2 interleaved v2", pp=2, dp=2, v=2, m=4, zero=3, schedule="interleaved"),
+    Case("selective pp2 interleaved v2", pp=2, v=2, m=4, schedule="interleaved", checkpoint="selective"),
     Case("dp2 x tp2", dp=2, tp=2, zero=3),
     Case("pp2 x dp2", pp=2, dp=2, m=4, zero=3),
     Case("mixed zero3 dp2", dp=2, zero=3, precision="mixed"),
@@ -81,7 +86,8 @@ CASES = [
 
 def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
     """Even contiguous stages; 'some' = every other layer from the second."""
-    per = [n // case.pp + (1 if s < n % case.pp else 0) for s in range(case.pp)]
+    k = case.pp * case.v
+    per = [n // k + (1 if s < n % k else 0) for s in range(k)]
     out, i = [], 0
     for count in per:
         st = []
@@ -113,7 +119,7 @@ def run_case(model: str, case: Case, cache: dict, workdir: Path) -> list[dict]:
     hw = get_hardware("cpu")
     offload = case.offload != "none"
     fsdp = wraps_layers(case.dp, case.precision, offload)
-    cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload)
+    cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v)
     model_cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     stages = stages_for(prof.n_layers, case)
     pred = model_cost.evaluate(cand, stages)
@@ -139,14 +145,14 @@ def run_case(model: str, case: Case, cache: dict, workdir: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt,mlp")
-    ap.add_argument("--only", default=None, help="run only the case with this name")
+    ap.add_argument("--only", default=None, help="run only the cases with these names (comma-separated)")
     args = ap.parse_args()
     cache: dict = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             for case in CASES:
-                if args.only and case.name != args.only:
+                if args.only and case.name not in args.only.split(","):
                     continue
                 t = time.perf_counter()
                 case_rows = run_case(model, case, cache, Path(tmp))

@@ -3,7 +3,7 @@
 For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama, profiles the model on
 this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-process
 layouts (dp with ZeRO 0-3, accumulation, checkpointing (full and selective), offload, tp, pp with 1F1B and GPipe,
-dp x tp, pp x dp, pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
+dp x tp, pp x dp (also interleaved, two stages a rank), pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
 under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
 (each run's figure: the median over ranks of their median of 7 timed steps) and their spread
 (the noise band), the error, and the measured time by component of the slowest rank's
@@ -58,6 +58,7 @@ GRID = [
     Case("dp2 x tp2", dp=2, tp=2, b=8),
     Case("tp4", tp=4, b=16),
     Case("pp2 x dp2 1f1b", pp=2, dp=2, b=2, m=4),
+    Case("pp2 x dp2 interleaved v2", pp=2, dp=2, b=2, m=4, v=2, schedule="interleaved"),
     Case("pp4 1f1b", pp=4, b=4, m=4),
     Case("pp4 gpipe", pp=4, b=4, m=4, schedule="gpipe"),
     Case("pp2 x tp2 1f1b", pp=2, tp=2, b=4, m=4),
@@ -82,11 +83,11 @@ def plans_for(model: str, prof, prof_path: Path, workdir: Path) -> list[tuple[st
     cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     out = []
     for case in GRID:
-        if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp > prof.n_layers:
+        if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp * case.v > prof.n_layers:
             continue
         offload = case.offload != "none"
         fsdp = case.dp > 1 or offload or case.precision == "mixed"
-        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload)
+        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v)
         stages = stages_for(prof.n_layers, case)
         pred = cost.evaluate(cand, stages)
         opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
