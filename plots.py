@@ -59,25 +59,29 @@ def plot_plan(plan, path: Path) -> None:
     plt = _pyplot()
     pred = plan.predicted
     stages = pred.stages
-    fig, (mem_ax, time_ax) = plt.subplots(2, 1, figsize=(11, 4 + 0.25 * len(stages)),
-                                          gridspec_kw={"height_ratios": [1, max(1, len(stages) / 8)]})
+    fig, (mem_ax, time_ax) = plt.subplots(2, 1, figsize=(11, 4 + 0.25 * plan.pp),
+                                          gridspec_kw={"height_ratios": [1, max(1, plan.pp / 8)]})
     fig.suptitle(f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, "
-                 f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} ({plan.schedule})")
+                 f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} ({plan.schedule}"
+                 + (f", {plan.virtual_stages} stages a rank)" if plan.virtual_stages > 1 else ")"))
 
-    # Memory: a stacked bar per stage, the limit as a line (when it is on the same scale).
-    xs = [s.index for s in stages]
-    top = max(s.peak_bytes for s in stages)
+    # Memory: a stacked bar per pipeline rank, the limit as a line (when it is on the same scale).
+    # (With several stages a rank, each stage carries its rank's memory: one bar a rank.)
+    where = "pipeline stage" if plan.virtual_stages == 1 else "pipeline rank"
+    ranks = stages[:plan.pp]
+    xs = [s.index for s in ranks]
+    top = max(s.peak_bytes for s in ranks)
     unit, scale = display.size_unit([top])
-    bottom = [0.0] * len(stages)
+    bottom = [0.0] * len(ranks)
     for label, field, colour in CATEGORIES:
-        heights = [getattr(s, field) / scale for s in stages]
+        heights = [getattr(s, field) / scale for s in ranks]
         mem_ax.bar(xs, heights, bottom=bottom, label=label, color=colour, width=0.7)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    mem_ax.scatter(xs, [s.peak_bytes / scale for s in stages], marker="_", s=300, color="black", label="peak", zorder=3)
+    mem_ax.scatter(xs, [s.peak_bytes / scale for s in ranks], marker="_", s=300, color="black", label="peak", zorder=3)
     limit = plan.memory_limit_bytes
     if limit and limit <= 3 * top:
         mem_ax.axhline(limit / scale, color="red", linestyle="--", label="memory limit")
-    mem_ax.set_xlabel("pipeline stage")
+    mem_ax.set_xlabel(where)
     mem_ax.set_ylabel(f"{unit} per GPU at its peak")
     mem_ax.set_xticks(xs)
     mem_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
@@ -89,20 +93,22 @@ def plot_plan(plan, path: Path) -> None:
     schedule = plan.schedule if plan.pp > 1 else "1f1b"
     actions = schedule_timeline(schedule, [f for f, _, _ in phases], [b for _, b, _ in phases], plan.num_micro_batches,
                                plan.virtual_stages)
-    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}    # (stage, phase) -> (start, length)
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}    # (rank, phase) -> (start, length)
     ends: dict[int, float] = {}
     for a in actions:
         parts = phases[a.stage][2]
         order = ("forward", "communication") if a.kind == "F" else ("recompute", "backward", "communication")
         t = a.start_s
+        row = a.stage % plan.pp
         for name in order:
             if parts[name] > 0:
-                spans.setdefault((a.stage, name), []).append((t, parts[name]))
+                spans.setdefault((row, name), []).append((t, parts[name]))
                 t += parts[name]
-        ends[a.stage] = max(ends.get(a.stage, 0.0), a.end_s)
-    for s in stages:
-        if s.step_extra_s > 0:
-            spans[s.index, "once per step"] = [(ends[s.index], s.step_extra_s)]
+        ends[row] = max(ends.get(row, 0.0), a.end_s)
+    for row in range(plan.pp):
+        once = sum(s.step_extra_s for s in stages[row::plan.pp])
+        if once > 0:
+            spans[row, "once per step"] = [(ends[row], once)]
     thin = len(actions) > 400          # many micro-batches: no outlines, or they hide the bars
     for (stage, name), bars in spans.items():
         time_ax.broken_barh(bars, (stage - 0.4, 0.8), color=PHASES[name],
@@ -110,7 +116,7 @@ def plot_plan(plan, path: Path) -> None:
     from matplotlib.patches import Patch
     time_ax.invert_yaxis()
     time_ax.set_yticks(xs)
-    time_ax.set_ylabel("pipeline stage")
+    time_ax.set_ylabel(where)
     time_ax.set_xlabel("seconds into the step")
     time_ax.legend(handles=[Patch(color=c, label=n) for n, c in PHASES.items()], loc="upper left",
                    bbox_to_anchor=(1.01, 1), fontsize="small")

@@ -272,3 +272,9 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(pp, v, m):
     formula = CostModel.pipeline_step_s(m, v, 3.0 * pp * v, 3.0 * v, 0.0)
     assert (formula - ideal) / ideal == pytest.approx((pp - 1) / (v * m), rel=1e-12)
     assert simulate_pipeline("interleaved", fwd, bwd, m, v) == pytest.approx(formula, rel=1e-9)
+    from planner.timeline import schedule_timeline
+    actions = schedule_timeline("interleaved", fwd, bwd, m, v)
+    assert len(actions) == 2 * pp * v * m
+    for rank in range(pp):                  # a rank runs one action at a time, over all its stages
+        mine = sorted((a.start_s, a.end_s) for a in actions if a.stage % pp == rank)
+        assert all(end <= nxt + 1e-12 for (_, end), (nxt, _) in zip(mine, mine[1:]))
