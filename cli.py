@@ -321,7 +321,7 @@ def solve(
     micro_batch: Optional[int] = typer.Option(None, help="Pin the micro-batch size."),
     zero: Optional[int] = typer.Option(None, help="Pin the ZeRO stage (0-3)."),
     schedule: Optional[str] = typer.Option(None, help="Pin the pipeline schedule: 1f1b | gpipe | interleaved (several stages a rank)."),
-    virtual_stages: Optional[int] = typer.Option(None, help="Pin the stages per pipeline rank of the interleaved schedule (2 or more; implies --schedule interleaved; free: 2 or 4)."),
+    virtual_stages: Optional[int] = typer.Option(None, help="Pin the stages per pipeline rank of the interleaved schedule (2 or more; implies --schedule interleaved; under --schedule interleaved it is 2 unless pinned)."),
     checkpoint: str = typer.Option("auto", help="Activation checkpointing, every layer pinned to one mode: none | selective (recompute all but matmuls and attention) | all (recompute the whole layer); or auto: each layer's mode solved."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),

@@ -27,7 +27,7 @@ stages (chunks); the others' bytes stay live while one runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 
@@ -72,7 +72,6 @@ class StageMemory:
     optimizer: int = 0
     activations: int = 0             # in-flight activations + the current layer's input/output/transient
     buffers: int = 0                 # batch, module buffers, communication buffers
-    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
 
     def categories(self) -> dict[str, int]:
         return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
@@ -258,6 +257,8 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
         timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
 
     walked = set()           # actions at the same moment give identical records: walk one
+    if sends_held:           # every moment differs (finished backwards count): walk those that can peak
+        walked = set(moments(actions, len(chunks), True)) - set(peak_moments(actions, len(chunks), True))
     for moment, (kind, j, mb) in zip(moments(actions, len(chunks), sends_held), actions):
         if moment in walked:
             continue
@@ -343,7 +344,7 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])
     return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,
-                       buffers=live - weights - optim - g - acts, timeline=[(p, v) for p, v, _, _ in timeline])
+                       buffers=live - weights - optim - g - acts)
 
 
 def _name(i: int, layers: list) -> str:

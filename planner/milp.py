@@ -69,14 +69,6 @@ def runs_of(signatures: list[str]) -> list[tuple[int, int]]:
     return runs
 
 
-def _tag(mo: Moment, moments: list[Moment]) -> str:
-    """A row's name for a moment: f (forward) or b (backward), 0 or 1 (the running stage's
-    gradients absent or present), and a count where a stage has several such moments."""
-    tag = f"{mo.kind.lower()}{int(mo.grads_here)}"
-    alike = [o for o in moments if (o.chunk, o.kind, o.grads_here) == (mo.chunk, mo.kind, mo.grads_here)]
-    return tag if len(alike) == 1 else f"{tag}_{alike.index(mo)}"
-
-
 @dataclass
 class Layout:
     """The MILP's answer: per stage, (layer, checkpoint, offload) in order; or why not."""
@@ -302,8 +294,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         kept_unsharded, loss_add, loss_kp, resharded = x.kept_unsharded, x.loss_add, x.loss_kp, x.resharded
         rest = [y for j, y in enumerate(mine) if j != chunk]
         moments = peak_moments(schedule_actions(cand.schedule, pp, rank, m, v), v, sends_held)
-        fwd = [(_tag(mo, moments), mo) for mo in moments if mo.chunk == chunk and mo.kind == "F"]
-        bwd = [(_tag(mo, moments), mo) for mo in moments if mo.chunk == chunk and mo.kind == "B"]
 
         def others(mo: Moment):
             """What the rank's other stages hold at this moment (memory.walk_rank): their static
@@ -320,6 +310,28 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 out = out + done * mine[j].sent
             return out
 
+        def classes(kind: str) -> list:
+            """Per class of this stage's moments (its own gradients absent, present): the rows'
+            tag, the class, and the terms that vary with the moment: this stage's in-flight
+            micro-batches and what the rest of the rank holds. One moment (always so for one
+            stage a rank): the terms written out; several: one variable at least each moment's."""
+            out = []
+            for own in (False, True):
+                alike = [mo for mo in moments if mo.chunk == chunk and mo.kind == kind and mo.grads_here == own]
+                if not alike:
+                    continue
+                tag = f"{kind.lower()}{int(own)}"
+                if len(alike) == 1:
+                    out.append((tag, own, alike[0].held[chunk] * per_mb, others(alike[0])))
+                    continue
+                terms = [mo.held[chunk] * per_mb + others(mo) for mo in alike]
+                worst = add_bytes_variable(prob, f"moments_s{s}_{tag}", max(prob.upper_bound(t) for t in terms), limit)
+                for k, term in enumerate(terms):
+                    add_bytes_bound(prob, worst, term, limit, f"moments_s{s}_{tag}_{k}")
+                out.append((tag, own, 0, worst))
+            return out
+
+        fwd, bwd = classes("F"), classes("B")
         if chunk == 0:                  # one row for the rank
             add_memory_row(prob, lp.lin_sum(y.static + y.step_grads for y in mine) if rest else static + step_grads,
                            limit, None, f"mem_s{s}_optimizer_step")
@@ -394,10 +406,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             here = lm.own + lm.output + lm.fwd_transient + lm.unsharded + lm.gather_flat
             name = L[k].name[2:]
             # -- forward records: the segment's first layer and its last -------------------
-            for tag, mo in fwd:
-                grads = (grads_all if mo.grads_here else 0) + others(mo)
-                base = compute_static + mo.held[chunk] * per_mb + prefix + grads
-                after = (lambda count: left_after(count)) if mo.grads_here else (lambda count: 0)
+            for tag, own, held_term, others_term in fwd:
+                grads = (grads_all if own else 0) + others_term
+                base = compute_static + held_term + prefix + grads
+                after = (lambda count: left_after(count)) if own else (lambda count: 0)
                 first = base + lm.input * (1 - kp[k]) + through(1) + after(L[k] - 1)
                 last = base + total - a_in + lm.input * (1 - ko) + through(L[k]) + after(0)
                 add_memory_row(prob, first + here, limit, e[k], f"mem_{name}_{tag}_first")
@@ -416,10 +428,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             # buffers: the segment's first layer sees the layer before it, its last layer the
             # one after it; layers inside see their own kind. Inside, the record is affine in j,
             # so j = 1 and j = L-2 bound it (when L >= 3).
-            for tag, mo in bwd:
-                first_bwd = not mo.grads_here
+            for tag, own, held_term, others_term in bwd:
+                first_bwd = not own
                 delta = lm.bwd_peak if first_bwd else lm.bwd_accum_peak
-                base = compute_static + mo.held[chunk] * per_mb + pmb + prefix + gout + delta + lm.unsharded + others(mo)
+                base = compute_static + held_term + pmb + prefix + gout + delta + lm.unsharded + others_term
                 grads = (lambda after: g_after + lm.grads * after) if first_bwd else (lambda after: grads_all)
                 rows = [   # (where, kept through it, gradients, layers up to it, layers after it, ahead, behind, gate)
                     ("first", a_first, grads(L[k] - 1), 1, L[k] - 1, before_bflat[r, c], lm.reduce_flat, f[k]),
@@ -456,28 +468,28 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # (70B, 8 stages of ZeRO-3: root bound 18.2 -> 18.6 s of the 19.0 s optimum; ZeRO-2's
         # cutoff proof 9 s -> 2 s).
         uab_all = x.uab_all
-        for tag, mo in bwd:
-            first_bwd, held = not mo.grads_here, mo.held[chunk]
+        for tag, own, held_term, others_term in bwd:
+            first_bwd = not own
             floor = min(mem[q].output + (mem[q].bwd_peak if first_bwd else mem[q].bwd_accum_peak) + mem[q].unsharded
                         for q in seg)
-            add_memory_row(prob, compute_static + held * per_mb + pmb + prefix + u_prefix + floor
-                           + (0 if first_bwd else grads_all) + others(mo), limit, None, f"cut_mem_s{s}_{tag}_last_layer")
+            add_memory_row(prob, compute_static + held_term + pmb + prefix + u_prefix + floor
+                           + (0 if first_bwd else grads_all) + others_term, limit, None, f"cut_mem_s{s}_{tag}_last_layer")
             other_grads = (grads_all - max(mem[q].grads for q in seg)) if first_bwd else grads_all
-            add_memory_row(prob, compute_static + held * per_mb + pmb + other_grads + uab_all
-                           - max(mem[q].unsharded_after_backward for q in seg) + floor + others(mo), limit, None,
+            add_memory_row(prob, compute_static + held_term + pmb + other_grads + uab_all
+                           - max(mem[q].unsharded_after_backward for q in seg) + floor + others_term, limit, None,
                            f"cut_mem_s{s}_{tag}_first_layer")
         if last_stage:
             lm = loss.memory
             x_extra = lm.input * (1 - loss_kp)
-            for tag, mo in fwd:
-                grads = (grads_all if mo.grads_here else 0) + others(mo)
-                add_memory_row(prob, compute_static + u_prefix + mo.held[chunk] * per_mb + prefix + grads + x_extra + lm.own
+            for tag, own, held_term, others_term in fwd:
+                grads = (grads_all if own else 0) + others_term
+                add_memory_row(prob, compute_static + u_prefix + held_term + prefix + grads + x_extra + lm.own
                                + lm.output + lm.fwd_transient + last_flat, limit, None, f"mem_s{s}_loss_{tag}")
-            for tag, mo in bwd:
-                first_bwd = not mo.grads_here
-                add_memory_row(prob, compute_static + u_prefix + mo.held[chunk] * per_mb + pmb + prefix + loss_add
+            for tag, own, held_term, others_term in bwd:
+                first_bwd = not own
+                add_memory_row(prob, compute_static + u_prefix + held_term + pmb + prefix + loss_add
                                + (0 if first_bwd else grads_all) + (lm.bwd_peak if first_bwd else lm.bwd_accum_peak)
-                               + last_flat + others(mo), limit, None, f"mem_s{s}_loss_{tag}")
+                               + last_flat + others_term, limit, None, f"mem_s{s}_loss_{tag}")
 
     once = {}                                    # each stage's once-per-step work (ms)
     for s in range(S):

@@ -176,20 +176,24 @@ def enumerate_candidates(profile: Profile, opts: SolveOptions):
                         yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload, v)
 
 
-FREE_VIRTUAL_STAGES = (2, 4)   # v the search tries when --virtual-stages is free
+FREE_VIRTUAL_STAGES = (2,)   # v the search tries under --schedule interleaved when --virtual-stages is free
 
 
 def pipeline_schedules(profile: Profile, opts: SolveOptions, pp: int, m: int):
     """(schedule, stages per rank) the runtime can run for pp ranks and m micro-batches: 1F1B
     and interleaved 1F1B need m >= pp, and torch's interleaved schedule m a multiple of its
-    rounds (m // pp of them; runtime/pipeline.schedule_problem); each stage needs a layer."""
+    rounds (m // pp of them; runtime/pipeline.schedule_problem); each stage needs a layer.
+
+    The interleaved schedule only when asked for (--schedule interleaved, --virtual-stages):
+    its memory MILPs couple a rank's stages and take 4-70x longer than 1F1B's, and a free
+    search with it open went from 1.4 s to 61 s (80 layers on 64 GPUs; docs/cost-model.md)."""
     if pp == 1:
         if not (opts.schedule == "interleaved" or opts.virtual_stages):
             yield "1f1b", 1
         return
     pinned = opts.schedule or ("interleaved" if opts.virtual_stages else None)
     for schedule in SCHEDULES:
-        if (pinned and schedule != pinned) or (schedule != "gpipe" and m < pp):
+        if (pinned and schedule != pinned) or (schedule != "gpipe" and m < pp) or (schedule == "interleaved" and not pinned):
             continue
         if schedule != "interleaved":
             yield schedule, 1
