@@ -132,6 +132,10 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         if opts.pp and opts.pp * opts.virtual_stages > profile.n_layers:
             raise SolveError(f"--pp {opts.pp} x --virtual-stages {opts.virtual_stages} is more stages than the model's "
                              f"{profile.n_layers} layers; use fewer.")
+        if 2 * opts.virtual_stages > profile.n_layers:
+            raise SolveError(f"--virtual-stages {opts.virtual_stages} needs {2 * opts.virtual_stages} layers for the "
+                             f"fewest pipeline ranks (2) and the model has {profile.n_layers}; use --virtual-stages "
+                             f"{profile.n_layers // 2} or fewer.")
     if (opts.schedule == "interleaved" or opts.virtual_stages) and opts.pp == 1:
         raise SolveError("the interleaved schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
     if opts.checkpoint not in CHECKPOINT_FLAGS:
