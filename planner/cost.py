@@ -213,11 +213,12 @@ class CostModel:
         return self._cache[key]
 
     def _layer_key(self, cand: Candidate):
-        """What a layer's cost depends on: not the schedule, and the micro-batch count only
-        through compute_scale (CPU processes sharing cores). Candidates that differ in those
-        alone share their layers' costs (a search visits hundreds of such candidates)."""
+        """What a layer's cost depends on: not the schedule, and the micro-batch count and
+        stages a rank only through compute_scale (CPU processes sharing cores). Candidates that
+        differ in those alone share their layers' costs (a search visits hundreds of such
+        candidates)."""
         return (cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.zero, cand.fsdp,
-                cand.num_micro_batches if self.hw.device_type == "cpu" else 0)
+                (cand.num_micro_batches, cand.virtual_stages) if self.hw.device_type == "cpu" else 0)
 
     def loss(self, cand: Candidate) -> LayerCost:
         key = (cand, "loss")
@@ -361,10 +362,12 @@ class CostModel:
         speed at once (host_cores) share them. A pipeline's ranks are not all busy at once:
         in each of the step's m + pp - 1 slots (stages of equal time), min(k + 1, pp, m,
         m + pp - 1 - k) stages of each pipeline work, dp x tp ranks each; the scale is the
-        mean over the slots of max(1, busy ranks / cores). On GPUs ranks share no cores (1)."""
+        mean over the slots of max(1, busy ranks / cores). With v stages a rank the slots are
+        a chunk's, m v + pp - 1 of them, so ranks are busy together more of the step (the
+        interleaved pipeline's smaller bubble). On GPUs ranks share no cores (1)."""
         if self.hw.device_type != "cpu":
             return 1.0
-        m, pp = cand.num_micro_batches, cand.pp
+        m, pp = cand.num_micro_batches * cand.virtual_stages, cand.pp
         ranks = min(cand.world_size, self.gpus_per_node)
         cores = min(ranks, self.hw.host_cores)
         slots = m + pp - 1

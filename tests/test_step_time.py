@@ -104,7 +104,7 @@ def test_cost_model_uses_calibrated_collectives_where_it_has_them():
 
 def test_cpu_ranks_beyond_the_cores_share_them_and_pipelines_share_less():
     """4 ranks on 2 cores compute at half speed; a pipeline's ranks only while their slot has
-    them busy: pp 4, m 4 has slots with 1, 2, 3, 4, 3, 2, 1 busy stages."""
+    them busy: pp 4, m 4 has slots with 1, 2, 3, 4, 3, 2, 1 busy stages (interleaved, more)."""
     prof = tiny_profile()
     hw = dataclasses.replace(PRESETS["cpu"], host_cores=2.0)
     model = CostModel(prof, hw, 8, 1 << 40)
@@ -113,6 +113,9 @@ def test_cpu_ranks_beyond_the_cores_share_them_and_pipelines_share_less():
     assert model.compute_scale(Candidate(4, 1, 1, 1, 4, 0, "1f1b", True, False)) == pytest.approx(2.0)
     assert model.compute_scale(Candidate(1, 1, 4, 1, 4, 0, "1f1b", False, False)) == pytest.approx((1 + 1 + 1.5 + 2 + 1.5 + 1 + 1) / 7)
     assert model.compute_scale(Candidate(2, 1, 2, 1, 4, 0, "1f1b", True, False)) == pytest.approx((1 + 2 + 2 + 2 + 1) / 5)
+    # Interleaved, two stages a rank: 11 chunk slots with 1, 2, 3, 4, 4, 4, 4, 4, 3, 2, 1 busy ranks.
+    assert model.compute_scale(Candidate(1, 1, 4, 1, 4, 0, "interleaved", False, False, 2)) == pytest.approx(
+        (1 + 1 + 1.5 + 2 * 5 + 1.5 + 1 + 1) / 11)
     one = model.layer(Candidate(1, 1, 1, 1, 4, 0, "1f1b", False, False), 1, False, False)
     four = model.layer(Candidate(4, 1, 1, 1, 4, 0, "1f1b", True, False), 1, False, False)
     assert four.compute_s == pytest.approx(2 * one.compute_s)
