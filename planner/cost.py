@@ -273,7 +273,7 @@ class CostModel:
             keeps_in, keeps_out = s.saved_input_bytes > 0, s.saved_output_bytes > 0
             fwd_t, bwd_p, bwd_a = s.fwd_transient_bytes, s.bwd_peak_bytes, s.bwd_accum_peak_bytes
 
-        # FSDP2's buffers (see memory.walk_stage for when each is alive): the unsharded copy
+        # FSDP2's buffers (see memory.walk_rank for when each is alive): the unsharded copy
         # compute runs on, the all-gather's flat output, the reduce-scatter's flat input.
         fsdp_mem: dict = {}
         sharding = mode in ("shard", "shard_keep")

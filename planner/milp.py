@@ -15,14 +15,17 @@ the earlier, where it meets the least kept activation memory).
 So the problem's size depends on the number of runs and stages, not on depth.
 
 Memory is exact for this layout space: within a homogeneous segment (same run, same choice)
-every live-bytes record of `memory.walk_stage` is linear in the position, so its maximum is
+every live-bytes record of `memory.walk_rank` is linear in the position, so its maximum is
 at the segment's first or last layer; the MILP constrains exactly those records, each gated
 by whether the segment has one (or two) layers. A tensor two neighbouring layers keep is
 counted once: `kp` says whether the layer before a segment keeps its output.
 
-Time: every stage's time per micro-batch is at most `tau`; the step is
-CostModel.pipeline_step_s of the stages' times per micro-batch, `tau`, and the slowest
-stage's once-per-step work `omega`.
+Under the interleaved schedule a pp rank runs v stages: its memory rows add the rank's other
+stages at each moment the walk can peak (memory.peak_moments).
+
+Time: every rank's time per micro-batch (its stages' together) is at most `tau`; the step is
+CostModel.pipeline_step_s of the stages' times per micro-batch, `tau`, and the fullest
+rank's once-per-step work `omega`.
 """
 
 from __future__ import annotations
@@ -345,7 +348,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                            + lp.lin_sum(y.static + y.grads_all + y.kept_unsharded + y.uab_all for y in rest)
                            + lp.lin_sum(m * y.sent for y in mine), limit, None, f"mem_s{s}_final_reduce")
 
-        # FSDP2 buffers of neighbouring layers (memory.walk_stage): chains over the stage's
+        # FSDP2 buffers of neighbouring layers (memory.walk_rank): chains over the stage's
         # segments give the all-gather buffer of the layer before a segment (forward, and
         # backward when it gathers again) and the reduce-scatter buffer of the layer after it.
         # Each is bounded below by the truth and only adds memory, so it takes the truth.
@@ -450,7 +453,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     add_memory_row(prob, base + kept + g + through(upto) + left_after(later) + ahead + behind,
                                    limit, gate, f"mem_{name}_{tag}_{where}")
                     if lm.gathers_in_backward:
-                        # the all-gather copy-out before compute (memory.walk_stage): no peak yet,
+                        # the all-gather copy-out before compute (memory.walk_rank): no peak yet,
                         # the layer's own flat buffer, the previous reduction twice, and under
                         # pipelining the prefetched flat buffer of the layer before
                         add_memory_row(prob, base - delta + kept + g + through(upto) + left_after(later)

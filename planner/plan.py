@@ -100,7 +100,7 @@ class PredictedStage:
     activations_bytes: int      # at the peak
     buffers_bytes: int          # at the peak: FSDP2 and pipeline buffers, the batch
     peak_bytes: int
-    peak_phase: str             # the moment of the step the peak falls in (memory.walk_stage)
+    peak_phase: str             # the moment of the step the peak falls in (memory.walk_rank)
     micro_batch_s: float        # the stage's time per micro-batch
     step_extra_s: float         # its time once per step (optimizer, exposed gradient sync)
     parts_s: dict[str, float] = field(default_factory=dict)  # those two by component (cost.CostModel.stage_parts)
