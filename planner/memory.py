@@ -28,6 +28,7 @@ stages (chunks); the others' bytes stay live while one runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 
 
@@ -102,10 +103,16 @@ def schedule_actions(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> l
     return actions + [("B", 0, k) for k in range(m - warmup, m)]
 
 
+def interleaved_rounds(pp: int, m: int) -> int:
+    """The rounds torch's ScheduleInterleaved1F1B splits m micro-batches into: m // pp (at
+    least 1); it refuses an m that is not a multiple of them."""
+    return max(1, m // pp)
+
+
 def _interleaved_actions(pp: int, v: int, rank: int, m: int) -> list[tuple[str, int, int]]:
     """torch's ScheduleInterleaved1F1B order for one rank (its _get_warmup_ops and
-    _get_1f1b_rank_ops without the idle slots; tests/test_planner.py holds it to torch's)."""
-    per_round = m // max(1, m // pp)
+    _get_1f1b_rank_ops without the idle slots; tests/test_step_time.py holds it to torch's)."""
+    per_round = m // interleaved_rounds(pp, m)
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
     total = m * v
     next_mb = {"F": [0] * v, "B": [0] * v}
@@ -185,10 +192,16 @@ def holds_sends(schedule: str) -> bool:
 
 def peak_moments(actions: list[tuple[str, int, int]], v: int, count_done: bool = False) -> list[Moment]:
     """The moments a record can peak in (no other covers them), forwards before backwards,
-    gradients absent before present: the MILP's memory rows are written at these alone."""
-    distinct = list(dict.fromkeys(moments(actions, v, count_done)))
+    gradients absent before present: the MILP's memory rows are written at these alone.
+    (Quadratic in the distinct moments and the same for every layout of a candidate: kept.)"""
+    return list(_peak_moments(tuple(actions), v, count_done))
+
+
+@lru_cache(maxsize=256)
+def _peak_moments(actions: tuple, v: int, count_done: bool) -> tuple[Moment, ...]:
+    distinct = list(dict.fromkeys(moments(list(actions), v, count_done)))
     kept = [a for a in distinct if not any(b != a and b.covers(a) for b in distinct)]
-    return sorted(kept, key=lambda mo: (mo.chunk, mo.kind != "F", mo.grads_here))
+    return tuple(sorted(kept, key=lambda mo: (mo.chunk, mo.kind != "F", mo.grads_here)))
 
 
 def kept_bytes(seq: list[LayerMemory], first_kept_by_caller: bool) -> list[int]:
@@ -250,16 +263,21 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
     left_of = [sum(l.unsharded_after_backward for l in c.layers) for c in chunks]
     adds = [kept_bytes(seq, input_is_held) for seq in seqs]
     per_mb_of = [sum(add) + c.per_micro_batch_buffers for add, c in zip(adds, chunks)]  # one finished forward, held until its backward
+    kept_upto_of = [list(accumulate(l.kept_unsharded for l in seq)) for seq in seqs]      # layers 0..i
+    left_from_of = [list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]
+                    for seq in seqs]                                                       # layers i..n-1
+    first_input_of = [0 if input_is_held else seq[0].input for seq in seqs]
 
     timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
 
     def record(phase, grads, acts, other=0):
         timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
 
+    at = moments(actions, len(chunks), sends_held)
     walked = set()           # actions at the same moment give identical records: walk one
     if sends_held:           # every moment differs (finished backwards count): walk those that can peak
-        walked = set(moments(actions, len(chunks), True)) - set(peak_moments(actions, len(chunks), True))
-    for moment, (kind, j, mb) in zip(moments(actions, len(chunks), sends_held), actions):
+        walked = set(at) - set(peak_moments(actions, len(chunks), True))
+    for moment, (kind, j, mb) in zip(at, actions):
         if moment in walked:
             continue
         walked.add(moment)
@@ -273,9 +291,7 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
                          for c in rest)
         grads_all = grads_of[j]
         grads_exist = moment.grads_here
-        first_input = 0 if input_is_held else seq[0].input
-        kept_upto = list(accumulate(l.kept_unsharded for l in seq))                  # layers 0..i
-        left_from = list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]  # layers i..n-1
+        kept_upto, left_from, first_input = kept_upto_of[j], left_from_of[j], first_input_of[j]
 
         def unsharded_through(i: int) -> int:
             """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed

@@ -18,6 +18,7 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
+from .memory import interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
 from .plan import CHECKPOINT_MODES, SCHEDULES, tp_within_nodes, wraps_layers
 
@@ -202,7 +203,7 @@ def pipeline_schedules(profile: Profile, opts: SolveOptions, pp: int, m: int):
         if schedule != "interleaved":
             yield schedule, 1
             continue
-        if m % (m // pp):
+        if m % interleaved_rounds(pp, m):
             continue
         for v in ([opts.virtual_stages] if opts.virtual_stages else FREE_VIRTUAL_STAGES):
             if pp * v <= profile.n_layers:
@@ -456,9 +457,9 @@ def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple
 
 def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, str, bool]]]:
     """Layers split evenly over the stages, every one with choice c."""
-    n, pp = model.profile.n_layers, cand.n_stages
-    bounds = [round(k * n / pp) for k in range(pp + 1)]
-    return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(pp)]
+    n, stages = model.profile.n_layers, cand.n_stages
+    bounds = [round(k * n / stages) for k in range(stages + 1)]
+    return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(stages)]
 
 
 SEED_TRIED = 4   # seeding the cutoff: candidates tried per layout wanted (top K), in bound order

@@ -10,6 +10,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from planner.memory import interleaved_rounds
+
 SINGLE_STAGE_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
@@ -18,7 +20,7 @@ def schedule_problem(schedule: str, n_stages: int, pp: int, n_microbatches: int)
     if schedule in SINGLE_STAGE_SCHEDULES and n_stages != pp:
         return f"the {schedule} schedule runs one stage per pp rank but the plan has {n_stages} stages for pp {pp}"
     if schedule == "interleaved":
-        rounds = max(1, n_microbatches // pp)
+        rounds = interleaved_rounds(pp, n_microbatches)
         if n_microbatches % rounds:
             return f"the interleaved schedule needs the {n_microbatches} micro-batches to be a multiple of {rounds} rounds"
     return None
