@@ -65,6 +65,8 @@ def _tensor_bytes(tensors) -> int:
 
 
 _ALL_REDUCE = {torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce_}
+# Sequence parallelism's collectives: each moves half an all-reduce's bytes (ring algorithms).
+_GATHER_SCATTER = {torch.ops._c10d_functional.all_gather_into_tensor, torch.ops._c10d_functional.reduce_scatter_tensor}
 
 
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
@@ -84,7 +86,7 @@ def matmul_shape(packet, args) -> tuple[int, int, int] | None:
 
 
 class OpCost(TorchDispatchMode):
-    """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and all-reduce traffic; with
+    """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and TP collectives' traffic; with
     `op_seconds(kind, flops, io_bytes, mnk)`, also each op's achievable time (`seconds`)."""
 
     def __init__(self, op_seconds=None) -> None:
@@ -93,6 +95,8 @@ class OpCost(TorchDispatchMode):
         self.io_bytes = 0
         self.all_reduce_bytes = 0
         self.all_reduce_count = 0
+        self.gather_scatter_bytes = 0    # all-gathers (bytes of the whole output) and reduce-scatters (of the whole input)
+        self.gather_scatter_count = 0
         self.op_seconds = op_seconds
         self.seconds = 0.0
 
@@ -106,6 +110,10 @@ class OpCost(TorchDispatchMode):
         if packet in _ALL_REDUCE:
             self.all_reduce_bytes += _tensor_bytes([args[0]])
             self.all_reduce_count += 1
+        elif packet in _GATHER_SCATTER:
+            whole = out if packet == torch.ops._c10d_functional.all_gather_into_tensor else args[0]
+            self.gather_scatter_bytes += _tensor_bytes([whole])
+            self.gather_scatter_count += 1
         elif packet in flop_registry:
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
             self.flops += flops

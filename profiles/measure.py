@@ -280,10 +280,13 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
         sac_fwd_transient_bytes=sel["fwd_transient_bytes"], sac_bwd_peak_bytes=sel["bwd_first"],
         sac_bwd_accum_peak_bytes=sel["bwd_accum"], sac_recompute_s=max(0.0, sac_bwd_s - bwd_s),
         sac_tp_bwd_comm_bytes=sac_bwd.all_reduce_bytes, sac_tp_bwd_comm_count=sac_bwd.all_reduce_count,
+        sac_sp_bwd_comm_bytes=sac_bwd.gather_scatter_bytes, sac_sp_bwd_comm_count=sac_bwd.gather_scatter_count,
         fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd.flops, bwd_flops=bwd.flops,
         fwd_io_bytes=fwd.io_bytes, bwd_io_bytes=bwd.io_bytes,
         tp_fwd_comm_bytes=fwd.all_reduce_bytes, tp_bwd_comm_bytes=bwd.all_reduce_bytes,
         tp_fwd_comm_count=fwd.all_reduce_count, tp_bwd_comm_count=bwd.all_reduce_count,
+        sp_fwd_comm_bytes=fwd.gather_scatter_bytes, sp_bwd_comm_bytes=bwd.gather_scatter_bytes,
+        sp_fwd_comm_count=fwd.gather_scatter_count, sp_bwd_comm_count=bwd.gather_scatter_count,
     )
 
 
@@ -354,18 +357,24 @@ def check_no_shared_params(model: nn.Sequential, spec: mf.ModelSpec) -> None:
                 raise mf.ModelFileError(f"{mf.layer_name(model, j)} and {mf.layer_name(model, i)} in {spec.path} share the parameter {pname}; give each layer its own parameters (untie them) so layers can live on different pipeline stages.")
 
 
-def structure_key(layer: nn.Module, x: torch.Tensor, tp_matches: dict[str, str]) -> str:
+def structure_key(layer: nn.Module, x: torch.Tensor, tp_matches: dict[str, str], edges=(False, False, False)) -> str:
     """Layers with equal keys run the same ops on the same shapes: their memory and FLOPs are
     measured once. The key is the module's repr (types and hyper-parameters), its parameter
-    and buffer shapes and dtypes, the input's, and the TP split."""
+    and buffer shapes and dtypes, the input's, and the TP split (with its sequence-parallel edges)."""
     tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(layer.named_parameters()) + list(layer.named_buffers())]
-    return json.dumps([repr(layer), tensors, tuple(x.shape), str(x.dtype), sorted(tp_matches.items())])
+    return json.dumps([repr(layer), tensors, tuple(x.shape), str(x.dtype), sorted(tp_matches.items()), list(edges)])
+
+
+def sequence_slice(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """One rank's slice of the sequence (dim 1) of a layer input, as sequence parallelism hands it on."""
+    part = x.detach().chunk(degree, dim=1)[0].clone(memory_format=torch.contiguous_format)   # its own storage
+    return part.requires_grad_(x.requires_grad)
 
 
 def signature(layer: LayerProfile) -> str:
     """Equal for layers identical in structure and every measured memory and FLOP figure."""
     keep = [{b: {k: v for k, v in asdict(s).items() if not k.endswith("_s")} for b, s in samples.items()}
-            for samples in (layer.samples, layer.tp_samples)]
+            for samples in (layer.samples, layer.tp_samples, layer.sp_samples)]
     blob = json.dumps([layer.kind, [asdict(p) for p in layer.params], layer.buffer_bytes, keep], sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -505,6 +514,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
         model = mf.build_checked_model(spec)
         check_no_shared_params(model, spec)
         tp_matches = mf.check_tp_plan(model, spec)
+        edges = mf.sequence_parallel_edges(tp_matches)
         layers = [static_figures(layer, i, name, tp_matches[i], opts)
                   for i, (name, layer) in enumerate(model.named_children())]
         loss = Sampled()
@@ -521,7 +531,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                 with torch.no_grad():
                     nxt = mf.run_layer_checked(model, i, x, spec)   # also checks the chain
                 nxt.requires_grad_(_needs_grad(nxt))   # later layers' inputs carry gradients; the batch does not
-                key = structure_key(layer, x, tp_matches[i])
+                key = structure_key(layer, x, tp_matches[i], edges[i])
                 if key in seen:
                     # Same structure, same input shape: the same memory and FLOPs; only time it.
                     j = seen[key]
@@ -529,6 +539,8 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                     layers[i].samples[b] = copy.copy(layers[j].samples[b])
                     if layers[j].tp_samples:
                         layers[i].tp_samples[b] = copy.copy(layers[j].tp_samples[b])
+                    if layers[j].sp_samples:
+                        layers[i].sp_samples[b] = copy.copy(layers[j].sp_samples[b])
                     if b in layers[j].tp_times:
                         layers[i].tp_times[b] = list(layers[j].tp_times[b])
                     if not opts.fake:
@@ -548,6 +560,13 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                             split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_timed_mesh)
                             layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
                             del split
+                    if tp_mesh is not None and (edges[i][0] or edges[i][1]) and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
+                        # Under sequence parallelism: the layers that run it, and those that
+                        # receive a slice of the sequence (memory and collectives; no timing).
+                        split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh, edges[i])
+                        part = sequence_slice(x, TP_MEASURED) if edges[i][1] else x
+                        layers[i].sp_samples[b] = measure_layer(split, part, opts, op_seconds, timed=False)
+                        del split, part
                 x = nxt
             on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-TP_STYLES = ("colwise", "rowwise")   # sequence parallelism needs layouts colwise/rowwise do not yet carry
+TP_STYLES = ("colwise", "rowwise", "sequence")   # "sequence": a per-token module (a norm) run on a slice of
+                                                 # the sequence when the plan turns sequence parallelism on
 
 
 class ModelFileError(Exception):
@@ -119,8 +120,6 @@ def check_tp_plan_types(tp_plan, path) -> None:
     if not isinstance(tp_plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items()):
         raise ModelFileError(f"tp_plan in model file {path} must be a dict of submodule-name globs to style strings, e.g. {{'mlp.fc': 'colwise'}}.")
     for k, v in tp_plan.items():
-        if v == "sequence":
-            raise ModelFileError(f"tp_plan entry {k!r} in model file {path} asks for sequence parallelism, which plan does not support yet; remove it (norms then run replicated under tensor parallelism).")
         if v not in TP_STYLES:
             raise ModelFileError(f"tp_plan entry {k!r} in model file {path} has style {v!r}; use one of {', '.join(TP_STYLES)}.")
 
@@ -214,6 +213,16 @@ def tp_plan_matches(layer: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]
     return out
 
 
+def sequence_parallel_edges(per_layer: list[dict[str, str]]) -> list[tuple[bool, bool, bool]]:
+    """Per layer (its tp_plan matches), under sequence parallelism: (it runs sequence-parallel,
+    its input arrives as a slice of the sequence, its output must be the whole sequence).
+    A layer runs sequence-parallel when its tp_plan names a "sequence" module; it then takes
+    and returns slices, so its successor receives one; the model's last layer gives the loss
+    the whole sequence (profiles/tensor_parallel.apply_tp)."""
+    sp = ["sequence" in m.values() for m in per_layer]
+    return [(sp[i], i > 0 and sp[i - 1], sp[i] and i == len(sp) - 1) for i in range(len(sp))]
+
+
 def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]:
     """Per layer, the matched submodules; every entry must match something Linear-like."""
     per_layer = [tp_plan_matches(layer, spec.tp_plan) for layer in model]
@@ -227,6 +236,8 @@ def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]
             sub = model[i].get_submodule(name)
             if style in ("colwise", "rowwise") and not isinstance(sub, (nn.Linear, nn.Embedding)):
                 raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} {style}, but it is a {type(sub).__name__}; colwise and rowwise apply to nn.Linear and nn.Embedding only.")
+            if style == "sequence" and any(True for _ in sub.children()):
+                raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} sequence-parallel, but it is a {type(sub).__name__} with submodules; \"sequence\" applies to per-token modules such as norms.")
     return per_layer
 
 

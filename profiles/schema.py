@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SCHEMA_VERSION = 4   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times; 4: sac_*
+SCHEMA_VERSION = 5   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times; 4: sac_*; 5: sp_samples
 TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
 TP_TIMED = 4      # the second degree measured profiles time tensor-parallel layers at (tp_times)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -83,12 +83,21 @@ class LayerSample:
     tp_bwd_comm_count: int = 0
     sac_tp_bwd_comm_bytes: int = 0  # the backward's all-reduces under selective checkpointing (recomputed ones included)
     sac_tp_bwd_comm_count: int = 0
+    # Sequence parallelism's all-gathers and reduce-scatters (bytes of the whole tensor; sp samples only)
+    sp_fwd_comm_bytes: int = 0
+    sp_bwd_comm_bytes: int = 0
+    sp_fwd_comm_count: int = 0
+    sp_bwd_comm_count: int = 0
+    sac_sp_bwd_comm_bytes: int = 0
+    sac_sp_bwd_comm_count: int = 0
 
 
 SAMPLE_FIELDS = [f.name for f in fields(LayerSample)]
 INT_FIELDS = {f.name for f in fields(LayerSample) if f.type == "int"}
 TP_COMM_FIELDS = {"tp_fwd_comm_bytes", "tp_bwd_comm_bytes", "tp_fwd_comm_count", "tp_bwd_comm_count",
-                  "sac_tp_bwd_comm_bytes", "sac_tp_bwd_comm_count"}
+                  "sac_tp_bwd_comm_bytes", "sac_tp_bwd_comm_count", "sp_fwd_comm_bytes", "sp_bwd_comm_bytes",
+                  "sp_fwd_comm_count", "sp_bwd_comm_count", "sac_sp_bwd_comm_bytes", "sac_sp_bwd_comm_count"}
+TIME_FIELDS = {"fwd_s", "bwd_s", "sac_recompute_s"}
 # Whether a layer keeps its input or output is a yes/no fact of its ops, not a size that
 # shrinks with tensor parallelism; these are taken from the tp=1 sample as they are.
 TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
@@ -168,6 +177,8 @@ class LayerProfile(Sampled):
     params: list[ParamInfo] = field(default_factory=list)
     tp_samples: dict[int, LayerSample] = field(default_factory=dict)
     tp_times: dict[int, list[float]] = field(default_factory=dict)  # b -> [fwd_s, bwd_s] at TP_TIMED (measured profiles)
+    sp_samples: dict[int, LayerSample] = field(default_factory=dict)  # as tp_samples, under sequence parallelism, for the
+                                                                      # layers it changes (those that run it and their successors)
 
     def refit(self) -> None:
         super().refit()
@@ -176,9 +187,28 @@ class LayerProfile(Sampled):
             self._tp.refit()
         bs = sorted(self.tp_times)
         self._tp_time_fits = [fit_line(bs, [self.tp_times[b][k] for b in bs]) for k in (0, 1)] if bs else []
+        self._sp = Sampled(samples=self.sp_samples)
+        if self.sp_samples:
+            self._sp.refit()
 
-    def at_tp(self, b: int, tp: int) -> LayerSample:
-        """Figures at micro-batch b under tensor parallelism of degree tp."""
+    def at_tp(self, b: int, tp: int, sequence_parallel: bool = False) -> LayerSample:
+        """Figures at micro-batch b under tensor parallelism of degree tp (with sequence
+        parallelism: memory, FLOPs and collectives from sp_samples, where the layer's input and
+        output are split too; times as without it, docs/cost-model.md)."""
+        if sequence_parallel and tp > 1 and self.sp_samples:
+            base, one, two = self.at_tp(b, tp), self.at(b), self._sp.at(b)
+            vals = {}
+            for name in SAMPLE_FIELDS:
+                v1, v2 = getattr(one, name), getattr(two, name)
+                if name in TIME_FIELDS:
+                    v = getattr(base, name)
+                elif name in TP_COMM_FIELDS:
+                    v = v2
+                else:
+                    shard = (v1 - v2) * TP_MEASURED / (TP_MEASURED - 1)
+                    v = max(0.0, (v1 - shard) + shard / tp)
+                vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+            return LayerSample(**vals)
         one = self.at(b)
         if tp == 1 or not self.tp_samples:
             return one
@@ -232,6 +262,11 @@ class Profile:
 
     # -- derived ----------------------------------------------------------------
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether the model's tp_plan offers sequence parallelism (some layer was measured under it)."""
+        return any(layer.sp_samples for layer in self.layers)
+
+    @property
     def n_layers(self) -> int:
         return len(self.layers)
 
@@ -246,6 +281,7 @@ class Profile:
             layer["samples"] = {str(b): s for b, s in layer["samples"].items()}
             layer["tp_samples"] = {str(b): s for b, s in layer["tp_samples"].items()}
             layer["tp_times"] = {str(b): t for b, t in layer["tp_times"].items()}
+            layer["sp_samples"] = {str(b): s for b, s in layer["sp_samples"].items()}
         d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
         return d
 
@@ -343,6 +379,7 @@ def _layer_from_json(d: dict) -> LayerProfile:
         params=[ParamInfo(**p) for p in d["params"]],
         tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
         tp_times={int(b): [float(t[0]), float(t[1])] for b, t in d.get("tp_times", {}).items()},
+        sp_samples={int(b): _sample_from_json(s) for b, s in d.get("sp_samples", {}).items()},
     )
     return _sampled_from_json(layer, d)
 

@@ -2,6 +2,15 @@
 
 Used by the profiler (under a fake process group, to measure a layer at tp = 2 in one
 process) and by the runtime (under the real one), so both apply exactly the same split.
+
+Sequence parallelism (Megatron-style, Korthikanti et al. 2022): in a layer whose tp_plan names
+"sequence" modules (its norms), and when the plan turns it on, the activations outside the
+column/row-parallel regions are split along the sequence (dim 1): the norms run on 1/tp of the
+tokens (SequenceParallel), each colwise linear all-gathers its input instead of taking a
+replicated one, and each rowwise linear reduce-scatters its output instead of all-reducing it.
+Such a layer takes and returns this rank's slice of the sequence, (B, T/tp, C); where its
+neighbour is not sequence-parallel the slice is cut from (input) or gathered into (output)
+the full tensor at the layer's edge.
 """
 
 from __future__ import annotations
@@ -11,16 +20,74 @@ import contextlib
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+SEQUENCE = Shard(1)          # (B, T, C): the sequence dimension
 
 
-def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh) -> nn.Module:
+class GatheringColwise(ColwiseParallel):
+    """A column-parallel linear in a sequence-parallel layer: a sequence slice (a local tensor)
+    is gathered; a DTensor (a norm's output, gathered once already) is taken as it is. Its
+    gradient then stays partial, so the gradients of q, k and v add up before the one
+    reduce-scatter back to the slice, where a redistribution per linear would all-reduce each
+    (measured under the fake process group: three all-reduces per attention)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=SEQUENCE)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        if isinstance(inputs[0], DTensor):
+            return inputs[0]
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
+             sequence: tuple[bool, bool, bool] | None = None) -> nn.Module:
     """Split the matched submodules of `layer` over `tp_mesh`; outputs stay local tensors
-    (SDPA on DTensors fails on CPU, and the model's view(b, t, -1, hd) finds the local heads)."""
-    if matches:
-        parallelize_module(layer, tp_mesh, {name: STYLES[style]() for name, style in matches.items()})
+    (SDPA on DTensors fails on CPU, and the model's view(b, t, -1, hd) finds the local heads).
+
+    sequence: None without sequence parallelism ("sequence" entries are then ignored: the norms
+    stay replicated); with it, the layer's model_file.sequence_parallel_edges entry (it runs
+    sequence-parallel, its input arrives split, its output must be whole).
+    """
+    sp, input_split, output_whole = sequence or (False, False, False)
+    styles, gathered = {}, []
+    for name, style in matches.items():
+        linear = isinstance(layer.get_submodule(name), nn.Linear)
+        if style == "sequence":
+            if sp:
+                styles[name] = SequenceParallel()
+                gathered.append(name)
+        elif sp and style == "colwise" and linear:
+            styles[name] = GatheringColwise()                               # all-gather the tokens in
+        elif sp and style == "rowwise" and linear:
+            styles[name] = RowwiseParallel(output_layouts=SEQUENCE)         # reduce-scatter them out
+        else:
+            styles[name] = STYLES[style]()
+    if styles:
+        parallelize_module(layer, tp_mesh, styles)
+    for name in gathered:
+        # A norm's output is gathered once, as a replicated DTensor that the column-parallel
+        # linears after it take as it is (q, k and v share one all-gather, and its backward is
+        # one reduce-scatter of their summed gradients, as in torchtitan's plan); a colwise
+        # linear fed the slice itself gathers it on its own.
+        parallelize_module(layer.get_submodule(name), tp_mesh,
+                           PrepareModuleOutput(output_layouts=(SEQUENCE,), desired_output_layouts=(Replicate(),),
+                                               use_local_output=False))
+    # The layer's edges: cut the slice this rank works on, or gather the whole sequence back.
+    def edge(frm, to):
+        return dict(input_layouts=(frm,), desired_input_layouts=(to,), use_local_output=True)
+    if sp and not input_split:
+        parallelize_module(layer, tp_mesh, PrepareModuleInput(**edge(Replicate(), SEQUENCE)))
+    if not sp and input_split:
+        parallelize_module(layer, tp_mesh, PrepareModuleInput(**edge(SEQUENCE, Replicate())))
+    if output_whole:
+        parallelize_module(layer, tp_mesh, PrepareModuleOutput(output_layouts=(SEQUENCE,), desired_output_layouts=(Replicate(),),
+                                                               use_local_output=True))
     return layer
 
 

@@ -73,6 +73,6 @@ def loss_fn(output, targets):
     return F.mse_loss(output, targets)
 
 
-tp_plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
+tp_plan = {"ln1": "sequence", "ln2": "sequence", "attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
            "mlp.fc": "colwise", "mlp.proj": "rowwise"}
 tp_divides = [HEADS]

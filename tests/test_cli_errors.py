@@ -52,7 +52,9 @@ BAD_MODEL_FILES = {
     "tp_plan_not_a_dict": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_plan = ['a']\n",
                            ["tp_plan in model file", "must be a dict"]),
     "tp_plan_unknown_style": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
-                              "tp_plan = {'0': 'diagonal'}\n", ["has style 'diagonal'", "colwise, rowwise"]),
+                              "tp_plan = {'0': 'diagonal'}\n", ["has style 'diagonal'", "colwise, rowwise, sequence"]),
+    "tp_plan_sequence_on_a_block": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(8, 4))))\n"
+                                    "tp_plan = {'0': 'sequence'}\n", ["sequence-parallel", "with submodules", "such as norms"]),
     "tp_divides_not_a_list": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_divides = 'x'\n",
                               ["tp_divides in model file", "list of positive integers"]),
     "loss_not_scalar": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"

@@ -227,3 +227,35 @@ def test_activation_memory_is_korthikanti_et_al(tp):
             assert sbh * (34 + 5 * a * s / h) == paper_bytes - sbh * (2 * (mu - 1) + (mu - 1) * a * s / h)
         measured = prof.layers[1].at_tp(b, tp).saved_bytes
         assert measured == paper_bytes + layer_norm_stats * s * b, (b, measured, paper_bytes)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_activation_memory_is_korthikanti_et_al(tp):
+    """Korthikanti et al. 2022 (section 4.2.2): under tensor and sequence parallelism a layer
+    keeps sbh(34/t + 5as/(ht)) bytes, every activation split t ways (sbh(32 + 2 mu + (4 + mu)
+    as/h) / t with mask bytes mu, as in the test above). The profiler measures, under the fake
+    process group, that plus the LayerNorm statistics (now of s/t tokens) and one thing torch
+    does differently: the input of a column-parallel region, all-gathered from the slices,
+    stays alive for the linears' weight gradients (2sbh for attention's q, k and v together,
+    2sbh for the MLP's first linear), where Megatron keeps the slice and gathers it again in
+    the backward: 4sbh(1 - 1/t) more. Both layers of the model are measured: the first takes
+    the whole input and cuts its slice, the second (the last) gathers its output back.
+    Its collectives are Megatron's: per micro-batch, an all-gather before and a
+    reduce-scatter after each of the two regions, and their mirror images in the backward,
+    each of the whole activation (2sbh), and no all-reduce."""
+    from tests import paper_gpt as paper
+
+    prof = paper_profile()
+    s, h, a = paper.SEQ_LEN, paper.HIDDEN, paper.HEADS
+    mu, layer_norm_stats = 2, 2 * 2 * 2
+    for b in prof.batch_sizes:
+        sbh = s * b * h
+        paper_bytes = sbh * (32 + 2 * mu + (4 + mu) * a * s / h) / tp     # mu = 1: sbh(34/t + 5as/(ht))
+        for i in (0, 1):
+            got = prof.layers[i].at_tp(b, tp, sequence_parallel=True)
+            assert got.saved_bytes == paper_bytes + 4 * sbh * (1 - 1 / tp) + layer_norm_stats * s * b / tp, (i, b)
+            assert (got.sp_fwd_comm_count, got.sp_bwd_comm_count) == (4 + i, 4)
+            assert (got.sp_fwd_comm_bytes, got.sp_bwd_comm_bytes) == ((4 + i) * 2 * sbh, 4 * 2 * sbh)
+            assert got.tp_fwd_comm_bytes == got.tp_bwd_comm_bytes == 0
+        # What passes between the layers is the slice: 1/t of the hidden states.
+        assert prof.layers[0].at_tp(b, tp, True).output_bytes == prof.layers[1].at_tp(b, tp, True).input_bytes == 2 * sbh / tp
