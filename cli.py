@@ -324,6 +324,7 @@ def solve(
     virtual_stages: Optional[int] = typer.Option(None, help="Pin the stages per pipeline rank of the interleaved schedule (2 or more; implies --schedule interleaved; under --schedule interleaved it is 2 unless pinned)."),
     checkpoint: str = typer.Option("auto", help="Activation checkpointing, every layer pinned to one mode: none | selective (recompute all but matmuls and attention) | all (recompute the whole layer); or auto: each layer's mode solved."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
+    sequence_parallel: str = typer.Option("auto", help="Sequence parallelism under tensor parallelism (the tp_plan's \"sequence\" modules, its norms, on slices of the sequence): on | off | auto."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
     wide: bool = WIDE,
 ):
@@ -341,7 +342,7 @@ def solve(
         opts = SolveOptions(gpus=gpus, hardware=hw, gpus_per_node=gpus_per_node, global_batch=global_batch,
                             memory_limit=limit, top_k=top, solver=solver, dp=dp, tp=tp, pp=pp,
                             micro_batch=micro_batch, zero=zero, schedule=schedule, virtual_stages=virtual_stages,
-                            checkpoint=checkpoint,
+                            checkpoint=checkpoint, sequence_parallel=sequence_parallel,
                             offload=offload, time_limit=time_limit)
         with Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as bar:

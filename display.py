@@ -144,7 +144,7 @@ def top_table(solutions, limit: int, wide: bool) -> Group:
         ck = f"{full}" + (f"+{sel}" if sel else "")
         off = sum(1 for st in sol.stages for _, _, x in st if x)
         sched = "-" if c.pp == 1 else c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-        cells = [str(k + 1), f"{c.dp}x{c.tp}x{c.pp}", str(c.zero), sched,
+        cells = [str(k + 1), f"{c.dp}x{c.tp}{' sp' if c.sequence_parallel else ''}x{c.pp}", str(c.zero), sched,
                  f"{c.micro_batch_size} x {c.num_micro_batches}", ck, str(off), f"{p.step_s:.4g}",
                  number(p.samples_per_s), f"{100 * p.mfu:.1f}%", number(p.peak_bytes / scale)]
         if wide:
@@ -162,7 +162,7 @@ def plan_table(plan, wide: bool) -> Group:
     v = plan.virtual_stages
     interleaved = (f", interleaved: {v} stages a rank (stage s on pp rank s mod {plan.pp}; memory is the rank's)"
                    if v > 1 else "")
-    title = (f"plan: dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
+    title = (f"plan: dp {plan.dp} x tp {plan.tp}{' (sequence-parallel)' if plan.sequence_parallel else ''} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
               f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch}{interleaved} "
               f"({unit} per GPU; ckpt, offload: which layers; s: selectively checkpointed)")
     t = table(cols, left=("layers", "ckpt", "offload", "peak during"))

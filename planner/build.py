@@ -29,7 +29,7 @@ def summary(sol: Solution) -> dict:
     """One line of the top-K table, as the plan's `alternatives` records it."""
     c, p = sol.candidate, sol.prediction
     return {
-        "dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero,
+        "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel, "pp": c.pp, "zero": c.zero,
         "schedule": c.schedule, "virtual_stages": c.virtual_stages, "micro_batch_size": c.micro_batch_size, "num_micro_batches": c.num_micro_batches,
         "checkpointed_layers": [i for st in sol.stages for i, ck, _ in st if ck == "full"],
         "selective_layers": [i for st in sol.stages for i, ck, _ in st if ck == "selective"],
@@ -69,6 +69,7 @@ def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_
         precision=profile.precision,
         optimizer=OptimizerConfig(name=profile.optimizer),
         stages=stages,
+        sequence_parallel=c.sequence_parallel,
         seq_len=profile.seq_len,
         memory_limit_bytes=memory_limit,
         predicted=predicted(sol.prediction),

@@ -61,6 +61,7 @@ class Candidate:
     fsdp: bool           # every layer an FSDP2 unit (False: the plain path, no wrapper)
     allow_offload: bool  # the per-layer offload choice is open (needs fsdp)
     virtual_stages: int = 1   # stages per pp rank (v): more than 1 only with the interleaved schedule
+    sequence_parallel: bool = False   # activations outside the TP regions split along the sequence (tp > 1)
 
     @property
     def world_size(self) -> int:
@@ -77,7 +78,8 @@ class Candidate:
 
     def describe(self) -> str:
         schedule = "" if self.pp == 1 else self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} b{self.micro_batch_size}x{self.num_micro_batches} "
+        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sequence_parallel else ''} pp{self.pp} "
+                f"b{self.micro_batch_size}x{self.num_micro_batches} "
                 f"zero{self.zero} {schedule}").strip()
 
 
@@ -92,7 +94,7 @@ class LayerCost:
     step_s: float          # once per step, never hidden: optimizer step (device or host), ZeRO-1 broadcasts
     sync_s: float          # once per step, hideable behind the last backward: gradient all-reduce (replicate), final reduction (pipelining)
     model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
-    tp_comm_s: float = 0.0  # the part of comm_s that is TP all-reduces
+    tp_comm_s: float = 0.0  # the part of comm_s that is TP collectives
     forward_s: float = 0.0    # the part of compute_s that is the forward
     recompute_s: float = 0.0  # the part of compute_s that runs the forward again (checkpointed)
 
@@ -197,11 +199,11 @@ class CostModel:
         return self.hw.inter_node_bandwidth, self.hw.inter_node_latency
 
     # -- one layer --------------------------------------------------------------------
-    def sample(self, i: int, b: int, tp: int) -> LayerSample:
-        """Layer i's figures at micro-batch b under tensor parallelism tp (memoised)."""
-        key = ("sample", i, b, tp)
+    def sample(self, i: int, cand: Candidate) -> LayerSample:
+        """Layer i's figures at the candidate's micro-batch size, tensor and sequence parallelism (memoised)."""
+        key = ("sample", i, cand.micro_batch_size, cand.tp, cand.sequence_parallel)
         if key not in self._cache:
-            self._cache[key] = self.profile.layers[i].at_tp(b, tp)
+            self._cache[key] = self.profile.layers[i].at_tp(cand.micro_batch_size, cand.tp, cand.sequence_parallel)
         return self._cache[key]
 
     def layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:
@@ -217,7 +219,7 @@ class CostModel:
         stages a rank only through compute_scale (CPU processes sharing cores). Candidates that
         differ in those alone share their layers' costs (a search visits hundreds of such
         candidates)."""
-        return (cand.dp, cand.tp, cand.pp, cand.micro_batch_size, cand.zero, cand.fsdp,
+        return (cand.dp, cand.tp, cand.sequence_parallel, cand.pp, cand.micro_batch_size, cand.zero, cand.fsdp,
                 (cand.num_micro_batches, cand.virtual_stages) if self.hw.device_type == "cpu" else 0)
 
     def loss(self, cand: Candidate) -> LayerCost:
@@ -235,7 +237,7 @@ class CostModel:
 
     def _layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:
         lp = self.profile.layers[i]
-        s = self.sample(i, cand.micro_batch_size, cand.tp)
+        s = self.sample(i, cand)
         d, t = cand.dp, cand.tp
         shapes = local_shapes(lp, t)
         full_numel = sum(_numel(sh) for sh in shapes)
@@ -313,14 +315,19 @@ class CostModel:
             compute += lp.fsdp_overhead_s.get(mode, 0.0)   # the unit's hooks and buffer copies, measured
         scale = self.compute_scale(cand)
         compute *= scale
-        # TP all-reduces sit on the critical path; a fully checkpointed layer runs its forward's
-        # again, a selective one whatever its backward was measured to run.
-        tp_fwd = self.collective_s("all_reduce", s.tp_fwd_comm_bytes, t, cand, count=s.tp_fwd_comm_count)
-        if checkpoint == "selective":
-            tp_comm = tp_fwd + self.collective_s("all_reduce", s.sac_tp_bwd_comm_bytes, t, cand, count=s.sac_tp_bwd_comm_count)
-        else:
-            tp_comm = tp_fwd * (2 if checkpoint == "full" else 1) \
-                + self.collective_s("all_reduce", s.tp_bwd_comm_bytes, t, cand, count=s.tp_bwd_comm_count)
+        # TP collectives sit on the critical path; a fully checkpointed layer runs its forward's
+        # again, a selective one whatever its backward was measured to run. Under sequence
+        # parallelism they are all-gathers and reduce-scatters (costed alike: a ring moves the
+        # same bytes for both), where the regions' all-reduces were.
+        def tp_collectives(kind, fwd_bytes, fwd_count, bwd_bytes, bwd_count, sac_bytes, sac_count):
+            fwd = self.collective_s(kind, fwd_bytes, t, cand, count=fwd_count)
+            if checkpoint == "selective":
+                return fwd + self.collective_s(kind, sac_bytes, t, cand, count=sac_count)
+            return fwd * (2 if checkpoint == "full" else 1) + self.collective_s(kind, bwd_bytes, t, cand, count=bwd_count)
+        tp_comm = tp_collectives("all_reduce", s.tp_fwd_comm_bytes, s.tp_fwd_comm_count, s.tp_bwd_comm_bytes,
+                                 s.tp_bwd_comm_count, s.sac_tp_bwd_comm_bytes, s.sac_tp_bwd_comm_count) \
+            + tp_collectives("all_gather", s.sp_fwd_comm_bytes, s.sp_fwd_comm_count, s.sp_bwd_comm_bytes,
+                             s.sp_bwd_comm_count, s.sac_sp_bwd_comm_bytes, s.sac_sp_bwd_comm_count)
         gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t)
         reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t)
         fsdp_comm = sync = 0.0
@@ -440,8 +447,8 @@ class CostModel:
         is_first, is_last = first == 0, last == self.profile.n_layers - 1
         static, per_mb, after_backward, sent = self.batch_bytes(cand, is_first, is_last), 0, 0, 0
         if cand.pp > 1:
-            stage_in = self.sample(first, b, cand.tp).input_bytes
-            stage_out = self.sample(last, b, cand.tp).output_bytes
+            stage_in = self.sample(first, cand).input_bytes
+            stage_out = self.sample(last, cand).output_bytes
             per_mb += stage_out
             if not is_first:
                 static += m * stage_in
@@ -534,9 +541,9 @@ class CostModel:
         b = cand.micro_batch_size
         nbytes = 0
         if cand.pp > 1 and first > 0:
-            nbytes += self.sample(first, b, cand.tp).input_bytes
+            nbytes += self.sample(first, cand).input_bytes
         if cand.pp > 1 and last < self.profile.n_layers - 1:
-            nbytes += self.sample(last, b, cand.tp).output_bytes
+            nbytes += self.sample(last, cand).output_bytes
         return nbytes
 
     def evaluate(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> Prediction:

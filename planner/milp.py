@@ -208,13 +208,13 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         before = 1 if r == 0 else full[r - 1, s - 1]
         return before - full[r, s - 1]
 
-    run_input = [model.sample(start, cand.micro_batch_size, cand.tp).input_bytes for start, _ in runs]
+    run_input = [model.sample(start, cand).input_bytes for start, _ in runs]
 
     seg = [(r, c) for r in range(R) for c in open_to[r]]   # a stage's segments, in order
     # The activation a stage receives, and the one it sends (its last layer's output).
     stage_in = {s: lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0 for s in range(S)}
     stage_out = {s: (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if s < S - 1
-                     else model.sample(n - 1, cand.micro_batch_size, cand.tp).output_bytes) for s in range(S)}
+                     else model.sample(n - 1, cand).output_bytes) for s in range(S)}
     sums: dict = {}                     # stage -> its byte sums (stage_sums), made when first needed
     sends_held = holds_sends(cand.schedule)
 

@@ -181,6 +181,7 @@ class Plan:
     precision: str             # fp32 | bf16 | mixed
     optimizer: OptimizerConfig
     stages: list[Stage]
+    sequence_parallel: bool = False   # the tp_plan's "sequence" modules run on slices of the sequence (tp > 1)
     seq_len: int | None = None
     seed: int = 0
     memory_limit_bytes: int = 0
@@ -269,6 +270,10 @@ class Plan:
             bad(f"micro-batch {self.micro_batch_size} x {self.num_micro_batches} micro-batches x dp {self.dp} is not the global batch {self.global_batch}")
         if self.zero not in (0, 1, 2, 3):
             bad(f"zero is {self.zero!r}, not 0, 1, 2 or 3")
+        if not isinstance(self.sequence_parallel, bool):
+            bad(f"sequence_parallel is {self.sequence_parallel!r}, not true or false")
+        if self.sequence_parallel and self.tp == 1:
+            bad("sequence_parallel is on with tp 1 (it splits the activations of tensor-parallel layers)")
         if self.schedule not in SCHEDULES:
             bad(f"schedule is {self.schedule!r}, not one of {', '.join(SCHEDULES)}")
         if self.device_type not in ("cpu", "cuda"):

@@ -44,6 +44,7 @@ class SolveOptions:
     schedule: str | None = None
     virtual_stages: int | None = None         # stages per pp rank under the interleaved schedule (pins it)
     checkpoint: str = "auto"                 # none | selective | all | auto (milp.CHECKPOINT_FLAGS)
+    sequence_parallel: str = "auto"          # on | off | auto: under tp > 1, where the model's tp_plan offers it
     offload: str = "auto"                    # none | auto
     time_limit: float = 20.0                 # seconds per MILP; past it the layout is reported as unproven
 
@@ -141,6 +142,15 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError("the interleaved schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
     if opts.checkpoint not in CHECKPOINT_FLAGS:
         raise SolveError(f"--checkpoint {opts.checkpoint} is not one of {', '.join(CHECKPOINT_FLAGS)}.")
+    if opts.sequence_parallel not in ("on", "off", "auto"):
+        raise SolveError(f"--sequence-parallel {opts.sequence_parallel} is not one of on, off, auto.")
+    if opts.sequence_parallel == "on" and not profile.sequence_parallel:
+        raise SolveError("--sequence-parallel on needs a tp_plan that names the model's norms as \"sequence\" modules "
+                         "(none of its layers was profiled under sequence parallelism); add them and profile again, "
+                         "or drop the flag.")
+    if opts.sequence_parallel == "on" and opts.tp == 1:
+        raise SolveError("--sequence-parallel on splits the activations of tensor-parallel layers; use --tp 2 or more, "
+                         "or leave --tp free.")
     if opts.offload not in ("none", "auto"):
         raise SolveError(f"--offload {opts.offload} is not one of none, auto.")
     if opts.top_k < 1:
@@ -178,7 +188,18 @@ def enumerate_candidates(profile: Profile, opts: SolveOptions):
                 m = g // (dp * b)
                 for schedule, v in pipeline_schedules(profile, opts, pp, m):
                     for zero, fsdp, offload in _data_parallel_modes(profile, dp, opts):
-                        yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload, v)
+                        for sp in sequence_parallel_modes(profile, opts, tp):
+                            yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload, v, sp)
+
+
+def sequence_parallel_modes(profile: Profile, opts: SolveOptions, tp: int):
+    """Sequence parallelism off, on, or both: only with tp > 1 and a tp_plan that names
+    "sequence" modules (--sequence-parallel on leaves out the layouts without TP)."""
+    offered = tp > 1 and profile.sequence_parallel
+    if opts.sequence_parallel != "on":
+        yield False
+    if offered and opts.sequence_parallel != "off":
+        yield True
 
 
 FREE_VIRTUAL_STAGES = (2,)   # v the search tries under --schedule interleaved when --virtual-stages is free
@@ -266,7 +287,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     n = len(fastest_each)
     fullest = max(fullest_run, sum(sorted(fastest_each)[: -(-n // pp)]))
     if pp > 1:
-        smallest = min(model.sample(i, cand.micro_batch_size, cand.tp).input_bytes
+        smallest = min(model.sample(i, cand).input_bytes
                        for start, length in runs for i in (start, start + length - 1) if i > 0)
         fullest += model.time_terms(cand, 0.0, 0.0, smallest, 1, 0.0, 0.0, 0.0).per_micro_batch
     return max((with_sync + loss) / pp, (without_sync + loss) / pp,
