@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.plan import Plan, Stage, load_plan
-from profiles.model_file import default_loss_fn
+from profiles.model_file import default_loss_fn, sequence_parallel_edges, tp_plan_matches
 
 from .breakdown import optimizer_region
 from .launch import DEFAULT_TIMEOUT_S
@@ -86,15 +86,15 @@ def build_stage(model: nn.Sequential, stage: Stage) -> nn.Sequential:
 
 
 def stage_on_device(model: nn.Sequential, stage: Stage, tp_plan: dict[str, str], mesh: DeviceMesh, plan: Plan,
-                    device: torch.device) -> nn.Sequential:
+                    device: torch.device, edges: list | None) -> nn.Sequential:
     """The stage's layers parallelized on `device`. A model built on the meta device is
     parallelized there first and then allocated, each rank only its shards, uninitialised
     (its weights are loaded next); buffers that hold values (computed, not loaded) keep them."""
     module = build_stage(model, stage)
     if not any(t.is_meta for t in module.parameters()):
-        return parallelize_stage(module.to(device), stage.layers, tp_plan, mesh, plan)
+        return parallelize_stage(module.to(device), stage.layers, tp_plan, mesh, plan, edges)
     kept = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
-    module = parallelize_stage(module, stage.layers, tp_plan, mesh, plan)
+    module = parallelize_stage(module, stage.layers, tp_plan, mesh, plan, edges)
     module.to_empty(device=device)
     with torch.no_grad():
         for n, b in module.named_buffers():
@@ -112,7 +112,10 @@ class ParallelModel:
         self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
         stages = plan.stages_of_rank(self.pp_rank)
         self.stage_indices = [s.index for s in stages]
-        self.modules = [stage_on_device(model, s, tp_plan, mesh, plan, self.device) for s in stages]
+        # Under sequence parallelism a layer's edges depend on its neighbours, in other stages too.
+        edges = sequence_parallel_edges([tp_plan_matches(layer, tp_plan) for layer in model]) \
+            if plan.sequence_parallel else None
+        self.modules = [stage_on_device(model, s, tp_plan, mesh, plan, self.device, edges) for s in stages]
         self.has_first_stage = 0 in self.stage_indices
         self.has_last_stage = len(plan.stages) - 1 in self.stage_indices
 
@@ -151,6 +154,8 @@ class ParallelModel:
         `global_grad_norm()`, a collective, adds the shares after the step.
         Returns this rank's mean loss (None off the last stage)."""
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
+        if self.plan.sequence_parallel:
+            self._sum_partial_grads()
         self.grad_norm, self._norm_share = None, None
         if clip_grad_norm > 0:
             self.grad_norm = self.clip_grad_norm_(clip_grad_norm)
@@ -181,6 +186,16 @@ class ParallelModel:
         # return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's output.
         self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
+
+    def _sum_partial_grads(self) -> None:
+        """Under sequence parallelism a norm's weight gradient comes out of backward as a
+        partial sum over this rank's slice of the sequence (a Partial DTensor); add the TP
+        ranks' parts (FSDP2 does it for its units; here for layers it does not wrap) so that
+        the optimizer, which steps local tensors, sees the whole gradient."""
+        for p in self.optimizer.params:
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(placements=p.placements)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The global L2 norm of every gradient of the model (all stages, all shards), the same
@@ -259,7 +274,7 @@ def apply_plan(model: nn.Sequential, plan: Plan | str, loss_fn: Callable | None 
     device gets each rank's shards allocated uninitialised: load its weights next.
 
     loss_fn(output, targets) defaults to cross-entropy; tp_plan (submodule globs -> "colwise" /
-    "rowwise") is the model file's, needed when plan.tp > 1. The default process group must
+    "rowwise" / "sequence") is the model file's, needed when plan.tp > 1. The default process group must
     exist (init_distributed); the device mesh is built from the plan unless given.
     """
     plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
@@ -271,5 +286,8 @@ def apply_plan(model: nn.Sequential, plan: Plan | str, loss_fn: Callable | None 
         raise ValueError(f"the plan lays out {plan.n_layers} layers but the model has {len(model)}.")
     if plan.tp > 1 and not tp_plan:
         raise ValueError(f"the plan is tensor-parallel (tp {plan.tp}) but no tp_plan was given; pass the model file's tp_plan.")
+    if plan.sequence_parallel and "sequence" not in (tp_plan or {}).values():
+        raise ValueError("the plan is sequence-parallel but the tp_plan names no \"sequence\" modules; pass the tp_plan "
+                         "the model was profiled with.")
     mesh = mesh or ParallelDims.from_plan(plan).build_mesh(plan.device_type)
     return ParallelModel(model, plan, loss_fn or default_loss_fn, mesh, tp_plan or {})

@@ -18,10 +18,11 @@ from profiles import checkpointing, tensor_parallel
 from profiles.model_file import tp_plan_matches
 
 
-def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str]) -> None:
+def apply_tp(layer: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], sequence: tuple[bool, bool, bool] | None) -> None:
     """Shard the layer's submodules that the model file's tp_plan names (the rest stay
-    replicated), with the profiler's own split so that both measure the same layer."""
-    tensor_parallel.apply_tp(layer, tp_plan_matches(layer, tp_plan), tp_mesh)
+    replicated), with the profiler's own split so that both measure the same layer; `sequence`:
+    its sequence-parallel edges (model_file.sequence_parallel_edges), None without it."""
+    tensor_parallel.apply_tp(layer, tp_plan_matches(layer, tp_plan), tp_mesh, sequence)
 
 
 def apply_ac(layer: nn.Module, mode: str) -> nn.Module:
@@ -53,13 +54,15 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, lc: LayerChoice, precisio
         replicate(module, mesh=dp_mesh, mp_policy=mp)
 
 
-def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], tp_plan: dict[str, str], mesh: DeviceMesh, plan: Plan) -> nn.Sequential:
-    """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index), then make the stage the root DP unit."""
+def parallelize_stage(stage: nn.Sequential, layers: list[LayerChoice], tp_plan: dict[str, str], mesh: DeviceMesh, plan: Plan,
+                      edges: list[tuple[bool, bool, bool]] | None = None) -> nn.Sequential:
+    """Apply TP, checkpointing and DP to each layer of the stage (children named by layer index),
+    then make the stage the root DP unit; `edges`: every layer's sequence-parallel edges, or None."""
     for lc in layers:
         name = str(lc.index)
         layer = stage.get_submodule(name)
         if plan.tp > 1:
-            apply_tp(layer, mesh["tp"], tp_plan)
+            apply_tp(layer, mesh["tp"], tp_plan, edges[lc.index] if edges else None)
         if lc.recomputes:
             layer = apply_ac(layer, lc.checkpoint)
             stage.register_module(name, layer)

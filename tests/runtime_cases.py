@@ -30,7 +30,8 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
 
 def make_plan(model: Path = GPT, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, schedule: str = "1f1b",
               b: int = 2, m: int = 1, virtual: int = 1, precision: str = "fp32", checkpoint=(), selective=(), offload=(),
-              optimizer: OptimizerConfig | None = None, seed: int = 0, n_layers: int | None = None) -> Plan:
+              optimizer: OptimizerConfig | None = None, seed: int = 0, n_layers: int | None = None,
+              sp: bool = False) -> Plan:
     n_layers = n_layers or N_LAYERS[model]
     stages = [Stage(index=s, layers=[LayerChoice(index=i, checkpoint="full" if i in checkpoint else "selective" if i in selective else "none",
                                                      offload=i in offload) for i in idx])
@@ -38,4 +39,4 @@ def make_plan(model: Path = GPT, *, dp: int = 1, tp: int = 1, pp: int = 1, zero:
     return Plan(profile={"path": "", "sha256": ""}, model=model_ref(model), hardware={"name": "cpu"}, device_type="cpu",
                 world_size=dp * tp * pp, gpus_per_node=dp * tp * pp, dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
                 micro_batch_size=b, num_micro_batches=m, global_batch=b * m * dp, precision=precision,
-                optimizer=optimizer or OptimizerConfig(), stages=stages, seed=seed)
+                optimizer=optimizer or OptimizerConfig(), stages=stages, seed=seed, sequence_parallel=sp)

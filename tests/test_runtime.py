@@ -83,12 +83,16 @@ CASES = {
     "checkpoint_pp2": make_plan(pp=2, m=2, checkpoint={0, 4}, optimizer=MOMENTUM),
     "selective_zero3": make_plan(dp=2, zero=3, selective={1, 2, 5}, optimizer=MOMENTUM),
     "selective_tp2": make_plan(tp=2, selective={1, 2, 3, 4}, optimizer=MOMENTUM),
+    "tp2_sp": make_plan(tp=2, sp=True, optimizer=MOMENTUM),
+    "selective_tp2_sp": make_plan(tp=2, sp=True, selective={1, 2, 4}, checkpoint={3}, optimizer=MOMENTUM),
     "selective_pp2": make_plan(MLP, pp=2, m=2, selective=set(range(10)), optimizer=MOMENTUM),
     "mixed_zero2": make_plan(dp=2, zero=2, precision="mixed", optimizer=SGD),
     # four processes
     "dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),
     "pp2_dp2": make_plan(pp=2, dp=2, zero=1, m=2, optimizer=ADAMW),
     "pp2_tp2": make_plan(pp=2, tp=2, m=2, schedule="gpipe", optimizer=SGD),
+    "pp2_tp2_sp": make_plan(pp=2, tp=2, m=2, sp=True, optimizer=MOMENTUM),      # the stages pass sequence slices
+    "dp2_tp2_sp_selective_zero3": make_plan(dp=2, tp=2, zero=3, m=2, sp=True, selective={1, 2, 3}, optimizer=MOMENTUM),
     "pp2_dp2_interleaved": make_plan(pp=2, dp=2, zero=3, virtual=2, m=4, schedule="interleaved", selective={1, 2},
                                      optimizer=MOMENTUM),
     # gradient clipping by the global norm, with a warm-up and cosine schedule (CONFIGS)
