@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 from profiles.schema import LayerProfile, LayerSample, ParamInfo, Profile, Sampled
@@ -85,3 +86,42 @@ def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, 
                    torch_version="2.13.0", device="cpu", device_type="cpu", method="measured", hardware=None,
                    precision="fp32", optimizer=optimizer, batch_sizes=batch_sizes, layers=layers, loss=loss,
                    batch={"input_bytes_per_sample": 512, "target_bytes_per_sample": 64})
+
+
+def add_tensor_parallel_samples(rng: random.Random, prof: Profile) -> Profile:
+    """Give every layer figures at t = 2 (tp_samples) and under sequence parallelism
+    (sp_samples), the same for identical layers: tensor parallelism splits part of what a layer
+    keeps and its transients and all-reduces its regions' outputs; sequence parallelism splits
+    the rest of what it keeps, its input and output too, and all-gathers and reduce-scatters
+    instead. A random share of each figure is split, as measured layers differ in how much."""
+    by_signature: dict[str, tuple[dict, dict]] = {}
+    for lp in prof.layers:
+        if lp.signature not in by_signature:
+            split = rng.uniform(0.3, 0.9)        # the share of `own` and the transients TP splits
+            tp, sp = {}, {}
+            for b, s in lp.samples.items():
+                own = s.saved_bytes - s.saved_input_bytes - s.saved_output_bytes
+                t = copy.copy(s)
+                t.fwd_transient_bytes = int(s.fwd_transient_bytes * (1 - split / 2))
+                t.bwd_peak_bytes, t.bwd_accum_peak_bytes = (int(x * (1 - split / 2)) for x in (s.bwd_peak_bytes, s.bwd_accum_peak_bytes))
+                t.saved_bytes = s.saved_bytes - int(own * split / 2)
+                t.tp_fwd_comm_bytes, t.tp_bwd_comm_bytes, t.tp_fwd_comm_count, t.tp_bwd_comm_count = \
+                    2 * s.output_bytes, 2 * s.output_bytes, 2, 2
+                q = copy.copy(t)
+                q.input_bytes, q.output_bytes = s.input_bytes // 2, s.output_bytes // 2
+                q.saved_input_bytes, q.saved_output_bytes = s.saved_input_bytes // 2, s.saved_output_bytes // 2
+                q.saved_bytes = own // 2 + q.saved_input_bytes + q.saved_output_bytes
+                q.sac_saved_bytes = s.sac_saved_bytes // 2
+                q.sac_saved_output_bytes = s.sac_saved_output_bytes // 2
+                q.tp_fwd_comm_bytes = q.tp_bwd_comm_bytes = q.tp_fwd_comm_count = q.tp_bwd_comm_count = 0
+                q.sp_fwd_comm_bytes, q.sp_bwd_comm_bytes, q.sp_fwd_comm_count, q.sp_bwd_comm_count = \
+                    4 * s.output_bytes, 4 * s.output_bytes, 4, 4
+                tp[b], sp[b] = t, q
+            by_signature[lp.signature] = (tp, sp)
+        tp, sp = by_signature[lp.signature]
+        lp.tp_samples = {b: copy.copy(s) for b, s in tp.items()}
+        lp.sp_samples = {b: copy.copy(s) for b, s in sp.items()}
+        lp.params = [ParamInfo(p.name, p.shape, 0) for p in lp.params]   # every layer splits
+        lp.tp_param_bytes = lp.param_bytes
+        lp.refit()
+    return prof

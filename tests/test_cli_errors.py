@@ -206,6 +206,8 @@ def test_solve_bad_cluster_file(small_profile, tmp_path):
     (["--gpus", "2", "--pp", "1", "--schedule", "interleaved"], "the interleaved schedule needs pipeline stages"),
     (["--gpus", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs 4 layers for the fewest pipeline ranks (2)"),
     (["--gpus", "2", "--zero", "5"], "not a ZeRO stage"),
+    (["--gpus", "2", "--sequence-parallel", "maybe"], "--sequence-parallel maybe is not one of on, off, auto"),
+    (["--gpus", "2", "--sequence-parallel", "on"], "--sequence-parallel on needs a tp_plan that names the model's norms"),
     (["--gpus", "0"], "positive number of GPUs"),
     (["--gpus", "2", "--memory-limit", "lots"], "--memory-limit"),
 ])
@@ -284,6 +286,8 @@ def edited_copy(doc_path, edit, tmp_path):
     (lambda d: d["hardware"].__setitem__("memory_bytes", "lots"), "hardware description is damaged"),
     (lambda d: d.__setitem__("memory_limit_bytes", -1), "memory_limit_bytes is -1"),
     (lambda d: d.__setitem__("seed", "x"), "seed is 'x'"),
+    (lambda d: d.__setitem__("sequence_parallel", True), "sequence_parallel is on with tp 1"),
+    (lambda d: d.__setitem__("sequence_parallel", "yes"), "sequence_parallel is 'yes'"),
     (lambda d: d["stages"][0]["layers"][0].__setitem__("index", 5), "do not hold the layers 0, 1, 2"),
     (lambda d: d["stages"][0]["layers"][0].__setitem__("checkpoint", "yes"), "not one of none, selective, full"),
     (lambda d: d.__setitem__("precision", "fp8"), "precision is 'fp8'"),

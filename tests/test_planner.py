@@ -1,6 +1,7 @@
 """The planner: the MILP against brute force, published figures, determinism. Torch-free."""
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -14,7 +15,7 @@ from planner.hardware import PRESETS, Hardware
 from planner.memory import in_flight, schedule_actions
 from planner.milp import choices_for, runs_of, solve_layout
 from planner.search import SolveOptions, enumerate_candidates, fastest_choices, frugal_layout, search
-from tests.synthetic import random_profile
+from tests.synthetic import add_tensor_parallel_samples, random_profile
 
 
 def cpu_like(memory: int, overlap: float | None = None) -> Hardware:
@@ -107,6 +108,47 @@ def test_milp_equals_brute_force(seed, solver, byte_scale, overlap):
     cands = [c for c in enumerate_candidates(prof, opts) if c.virtual_stages == 1]
     rng.shuffle(cands)
     check_against_brute_force(rng, prof, cands[:4], overlap, solver, opts.offload)
+
+
+@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(600, 608)] + [(k, 2**17) for k in range(620, 622)])
+def test_milp_equals_brute_force_sequence_parallel(seed, byte_scale):
+    """Sequence parallelism on and off for the same tensor-parallel candidates: its smaller
+    activations and pipeline boundaries, and its all-gathers and reduce-scatters in place of
+    all-reduces, enter the MILP through the cost model's samples as the walk sees them."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    prof = add_tensor_parallel_samples(rng, random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale))
+    opts = SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=8, tp=2, offload="auto" if n <= 5 else "none")
+    cands = list(enumerate_candidates(prof, opts))
+    assert {c.sequence_parallel for c in cands} == {False, True}
+    rng.shuffle(cands)
+    with_sp = [c for c in cands if c.sequence_parallel][:2]
+    twins = [dataclasses.replace(c, sequence_parallel=False) for c in with_sp]
+    model = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
+    for sp, twin in zip(with_sp, twins):       # the same layout keeps less with the sequence split
+        layout = frugal_layout(model, sp, choices_for("none", "none", False))
+        assert model.evaluate(sp, layout).peak_bytes < model.evaluate(twin, layout).peak_bytes
+    assert check_against_brute_force(rng, prof, with_sp + twins, None, "highs", opts.offload, above_frugal=True)
+
+
+def test_sequence_parallel_flag_pins_or_frees_it():
+    """--sequence-parallel: auto lays out tensor-parallel candidates both ways, on only with it
+    (and no candidate without TP), off never; on is refused for tp 1 and for a profile that
+    has no layer measured under it."""
+    from planner.search import SolveError, check_options
+    rng = random.Random(7)
+    prof = add_tensor_parallel_samples(rng, random_profile(rng, 4))
+    def cands(**kw):
+        return list(enumerate_candidates(prof, SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=8, **kw)))
+    auto = cands()
+    assert {(c.tp > 1, c.sequence_parallel) for c in auto} == {(False, False), (True, False), (True, True)}
+    assert all(c.tp > 1 and c.sequence_parallel for c in cands(sequence_parallel="on"))
+    assert not any(c.sequence_parallel for c in cands(sequence_parallel="off"))
+    assert len(cands(sequence_parallel="on")) + len(cands(sequence_parallel="off")) == len(auto)
+    with pytest.raises(SolveError, match="use --tp 2 or more"):
+        check_options(prof, SolveOptions(gpus=4, hardware=cpu_like(1 << 40), tp=1, sequence_parallel="on"))
+    with pytest.raises(SolveError, match="names the model's norms"):
+        check_options(random_profile(rng, 4), SolveOptions(gpus=4, hardware=cpu_like(1 << 40), sequence_parallel="on"))
 
 
 def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_frugal: bool = False) -> int:
