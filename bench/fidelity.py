@@ -52,6 +52,7 @@ class Case:
     checkpoint: str = "none"      # none | some | all | selective (every layer) | mixed (selective, every other full)
     offload: str = "none"         # none | some
     precision: str = "fp32"
+    sp: bool = False              # sequence parallelism (models whose tp_plan offers it)
 
 
 CASES = [
@@ -79,6 +80,10 @@ CASES = [
     Case("pp2 x dp2 interleaved v2", pp=2, dp=2, v=2, m=4, zero=3, schedule="interleaved"),
     Case("selective pp2 interleaved v2", pp=2, v=2, m=4, schedule="interleaved", checkpoint="selective"),
     Case("dp2 x tp2", dp=2, tp=2, zero=3),
+    Case("tp2 sp", tp=2, sp=True),
+    Case("selective tp2 sp", tp=2, checkpoint="selective", sp=True),
+    Case("dp2 x tp2 sp", dp=2, tp=2, zero=3, sp=True),
+    Case("pp2 x tp2 sp", pp=2, tp=2, m=4, sp=True),
     Case("pp2 x dp2", pp=2, dp=2, m=4, zero=3),
     Case("mixed zero3 dp2", dp=2, zero=3, precision="mixed"),
 ]
@@ -119,7 +124,7 @@ def run_case(model: str, case: Case, cache: dict, workdir: Path) -> list[dict]:
     hw = get_hardware("cpu")
     offload = case.offload != "none"
     fsdp = wraps_layers(case.dp, case.precision, offload)
-    cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v)
+    cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v, case.sp)
     model_cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     stages = stages_for(prof.n_layers, case)
     pred = model_cost.evaluate(cand, stages)
@@ -154,6 +159,8 @@ def main() -> None:
             for case in CASES:
                 if args.only and case.name not in args.only.split(","):
                     continue
+                if case.sp and not profile(model, case.precision, cache)[0].sequence_parallel:
+                    continue           # its tp_plan names no "sequence" modules
                 t = time.perf_counter()
                 case_rows = run_case(model, case, cache, Path(tmp))
                 rows += case_rows

@@ -333,7 +333,9 @@ class DecoderLayerAdapter:
     _plan_window: int | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        t = hidden_states.shape[1]
+        # Under sequence parallelism the input is this rank's slice of the sequence, and the
+        # attention runs on the whole of it (gathered): positions and masks are the whole's.
+        t = hidden_states.shape[1] * getattr(self, "sequence_split", 1)
         kwargs = {}
         if self._plan_rope:
             position_ids = torch.arange(t, device=hidden_states.device)[None]
@@ -434,8 +436,17 @@ def hf_parameter_names(config) -> dict[str, str]:
     return {n: names[id(p)] for n, p in adapt(model).named_parameters()}
 
 
-def translate_tp_plan(base_plan: dict | None) -> dict[str, str]:
-    """The config's base_model_tp_plan in the adapted layers' names and the project's styles."""
+# Decoder layers whose only parameters outside the tensor-parallel linears are these two norms
+# (what sequence parallelism must run as "sequence" modules: a module with weights that saw a
+# slice of the sequence without it would step on part of its gradient).
+SEQUENCE_PARALLEL_NORMS = {model_type: ("input_layernorm", "post_attention_layernorm")
+                           for model_type in ("llama", "mistral", "qwen2")}
+
+
+def translate_tp_plan(base_plan: dict | None, model_type: str = "") -> dict[str, str]:
+    """The config's base_model_tp_plan in the adapted layers' names and the project's styles;
+    for the families of SEQUENCE_PARALLEL_NORMS, with their decoder layers' norms as "sequence"
+    modules (Megatron's sequence parallelism, a plan's choice)."""
     out = {}
     for key, style in (base_plan or {}).items():
         style = {"rowwise_rep": "rowwise"}.get(style, style)
@@ -443,6 +454,8 @@ def translate_tp_plan(base_plan: dict | None) -> dict[str, str]:
             continue   # other styles need comms the project does not do; the module stays replicated
         local = key.split("layers.*.", 1)[1] if key.startswith("layers.*.") else key
         out[local] = style
+    if any(key.startswith("layers.*.") for key in (base_plan or {})):
+        out.update({norm: "sequence" for norm in SEQUENCE_PARALLEL_NORMS.get(model_type, ())})
     return out
 
 
@@ -466,7 +479,7 @@ def load_hf_spec(arg: str, seq_len: int | None = None) -> ModelSpec:
     if seq_len > max_pos:
         raise HFConfigError(f"--seq-len {seq_len} is longer than the {max_pos} positions config {where} allows (max_position_embeddings); give at most {max_pos}.")
     vocab = config.vocab_size
-    tp_plan = translate_tp_plan(getattr(config, "base_model_tp_plan", None))
+    tp_plan = translate_tp_plan(getattr(config, "base_model_tp_plan", None), config.model_type)
 
     def build_model() -> nn.Sequential:
         return adapt(build_hf_model(config))

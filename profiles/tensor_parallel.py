@@ -78,6 +78,10 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
         parallelize_module(layer.get_submodule(name), tp_mesh,
                            PrepareModuleOutput(output_layouts=(SEQUENCE,), desired_output_layouts=(Replicate(),),
                                                use_local_output=False))
+    if sp:
+        # What the layer's forward sees of the sequence is 1/tp of it: a layer that computes
+        # positions or masks from its input's length reads this (profiles/hf.py's adapter).
+        layer.sequence_split = tp_mesh.size()
     # The layer's edges: cut the slice this rank works on, or gather the whole sequence back.
     def edge(frm, to):
         return dict(input_layouts=(frm,), desired_input_layouts=(to,), use_local_output=True)

@@ -138,6 +138,9 @@ def load_run_inputs(plan_path: str, config: TrainConfig, on_meta: bool = False) 
     if plan.device_type == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         raise RunError(f"plan {plan_path} needs {os.environ.get('LOCAL_WORLD_SIZE', 1)} CUDA devices on this node but torch sees {torch.cuda.device_count()}; run it where they are.")
     spec = load_spec(plan.model)
+    if plan.sequence_parallel and "sequence" not in spec.tp_plan.values():
+        raise RunError(f"plan {plan_path} is sequence-parallel but the tp_plan of {spec.path} names no \"sequence\" "
+                       "modules; solve again with `plan solve`.")
     # Not tried on a GPU yet: FSDP2's to_empty with an offload policy (shards that must stay on the host).
     offloads_on_gpu = plan.device_type == "cuda" and any(lc.offload for s in plan.stages for lc in s.layers)
     model = build_model(spec, plan, on_meta and not offloads_on_gpu)

@@ -112,7 +112,7 @@ def test_tp_plan_comes_from_the_config():
     spec = hf.load_hf_spec("llama-3-8b")
     assert spec.tp_plan == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                            "mlp.down_proj": "rowwise"}
+                            "mlp.down_proj": "rowwise", "input_layernorm": "sequence", "post_attention_layernorm": "sequence"}
     assert spec.seq_len == 4096 and spec.source == "hf-config" and spec.name == "llama-3-8b"
     assert hf.load_hf_spec("gpt2").tp_plan == {} and hf.load_hf_spec("gpt2").seq_len == 1024
 
@@ -162,6 +162,7 @@ PLANS = {
     "selective_zero3": dict(dp=2, zero=3, selective={0, 1, 2, 3}, optimizer=SGD_MOMENTUM),
     "selective_tp2": dict(tp=2, m=2, selective={1, 2}, optimizer=SGD_MOMENTUM),
     "dp2_tp2": dict(dp=2, tp=2, zero=3, m=2, optimizer=SGD_MOMENTUM),
+    "tp2_sp": dict(tp=2, m=2, sp=True, selective={2}, optimizer=SGD_MOMENTUM),   # rotary positions of the whole sequence
     "pp2_dp2": dict(pp=2, dp=2, zero=1, m=2, checkpoint={1}, optimizer=ADAMW),
 }
 CASES = [(family, name) for family in RUNTIME_FAMILIES for name in PLANS]
