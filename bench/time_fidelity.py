@@ -56,6 +56,7 @@ GRID = [
     Case("dp4 zero3 selective all", dp=4, b=4, zero=3, checkpoint="selective"),
     Case("dp4 zero3 offload some", dp=4, b=4, zero=3, offload="some"),
     Case("dp2 x tp2", dp=2, tp=2, b=8),
+    Case("dp2 x tp2 sp", dp=2, tp=2, b=8, sp=True),
     Case("tp4", tp=4, b=16),
     Case("pp2 x dp2 1f1b", pp=2, dp=2, b=2, m=4),
     Case("pp2 x dp2 interleaved v2", pp=2, dp=2, b=2, m=4, v=2, schedule="interleaved"),
@@ -83,11 +84,12 @@ def plans_for(model: str, prof, prof_path: Path, workdir: Path) -> list[tuple[st
     cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     out = []
     for case in GRID:
-        if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp * case.v > prof.n_layers:
+        if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp * case.v > prof.n_layers \
+                or case.sp and not prof.sequence_parallel:
             continue
         offload = case.offload != "none"
         fsdp = case.dp > 1 or offload or case.precision == "mixed"
-        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v)
+        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v, case.sp)
         stages = stages_for(prof.n_layers, case)
         pred = cost.evaluate(cand, stages)
         opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)

@@ -238,6 +238,13 @@ def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]
                 raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} {style}, but it is a {type(sub).__name__}; colwise and rowwise apply to nn.Linear and nn.Embedding only.")
             if style == "sequence" and any(True for _ in sub.children()):
                 raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} sequence-parallel, but it is a {type(sub).__name__} with submodules; \"sequence\" applies to per-token modules such as norms.")
+    for i, matches in enumerate(per_layer):
+        # Under sequence parallelism every weight of such a layer must belong to a module the
+        # plan splits or runs on slices: any other would see a slice and learn from part of it.
+        if "sequence" in matches.values():
+            loose = [n for n, _ in model[i].named_parameters() if not any(n.startswith(m + ".") for m in matches)]
+            if loose:
+                raise ModelFileError(f"{layer_name(model, i)} runs sequence-parallel (its tp_plan names \"sequence\" modules) but its parameter {loose[0]} belongs to no module the tp_plan names, so it would see a slice of the sequence and learn from part of its gradient; name its module \"sequence\", \"colwise\" or \"rowwise\".")
     return per_layer
 
 

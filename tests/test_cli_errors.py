@@ -53,6 +53,12 @@ BAD_MODEL_FILES = {
                            ["tp_plan in model file", "must be a dict"]),
     "tp_plan_unknown_style": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
                               "tp_plan = {'0': 'diagonal'}\n", ["has style 'diagonal'", "colwise, rowwise, sequence"]),
+    "tp_plan_sequence_leaves_a_weight": (GOOD_HEAD + "class L(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                                         "        self.norm, self.fc, self.out = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4)\n"
+                                         "    def forward(self, x):\n        return self.out(self.fc(self.norm(x)))\n"
+                                         "def build_model():\n    return nn.Sequential(L())\n"
+                                         "tp_plan = {'norm': 'sequence', 'fc': 'colwise'}\n",
+                                         ["runs sequence-parallel", "parameter out.weight belongs to no module", "name its module"]),
     "tp_plan_sequence_on_a_block": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(8, 4))))\n"
                                     "tp_plan = {'0': 'sequence'}\n", ["sequence-parallel", "with submodules", "such as norms"]),
     "tp_divides_not_a_list": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_divides = 'x'\n",
