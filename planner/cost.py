@@ -317,17 +317,20 @@ class CostModel:
         compute *= scale
         # TP collectives sit on the critical path; a fully checkpointed layer runs its forward's
         # again, a selective one whatever its backward was measured to run. Under sequence
-        # parallelism they are all-gathers and reduce-scatters (costed alike: a ring moves the
-        # same bytes for both), where the regions' all-reduces were.
-        def tp_collectives(kind, fwd_bytes, fwd_count, bwd_bytes, bwd_count, sac_bytes, sac_count):
-            fwd = self.collective_s(kind, fwd_bytes, t, cand, count=fwd_count)
+        # parallelism they are all-gathers and reduce-scatters where the regions' all-reduces
+        # were, in pairs (a region gathers in and scatters out, its backward the mirror image):
+        # half of them costed as each kind.
+        def tp_collectives(kinds, fwd_bytes, fwd_count, bwd_bytes, bwd_count, sac_bytes, sac_count):
+            def cost(nbytes, count):
+                return sum(self.collective_s(k, nbytes / len(kinds), t, cand, count=count / len(kinds)) for k in kinds)
+            fwd = cost(fwd_bytes, fwd_count)
             if checkpoint == "selective":
-                return fwd + self.collective_s(kind, sac_bytes, t, cand, count=sac_count)
-            return fwd * (2 if checkpoint == "full" else 1) + self.collective_s(kind, bwd_bytes, t, cand, count=bwd_count)
-        tp_comm = tp_collectives("all_reduce", s.tp_fwd_comm_bytes, s.tp_fwd_comm_count, s.tp_bwd_comm_bytes,
+                return fwd + cost(sac_bytes, sac_count)
+            return fwd * (2 if checkpoint == "full" else 1) + cost(bwd_bytes, bwd_count)
+        tp_comm = tp_collectives(("all_reduce",), s.tp_fwd_comm_bytes, s.tp_fwd_comm_count, s.tp_bwd_comm_bytes,
                                  s.tp_bwd_comm_count, s.sac_tp_bwd_comm_bytes, s.sac_tp_bwd_comm_count) \
-            + tp_collectives("all_gather", s.sp_fwd_comm_bytes, s.sp_fwd_comm_count, s.sp_bwd_comm_bytes,
-                             s.sp_bwd_comm_count, s.sac_sp_bwd_comm_bytes, s.sac_sp_bwd_comm_count)
+            + tp_collectives(("all_gather", "reduce_scatter"), s.sp_fwd_comm_bytes, s.sp_fwd_comm_count,
+                             s.sp_bwd_comm_bytes, s.sp_bwd_comm_count, s.sac_sp_bwd_comm_bytes, s.sac_sp_bwd_comm_count)
         gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t)
         reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t)
         fsdp_comm = sync = 0.0

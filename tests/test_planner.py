@@ -110,15 +110,20 @@ def test_milp_equals_brute_force(seed, solver, byte_scale, overlap):
     check_against_brute_force(rng, prof, cands[:4], overlap, solver, opts.offload)
 
 
-@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(600, 608)] + [(k, 2**17) for k in range(620, 622)])
-def test_milp_equals_brute_force_sequence_parallel(seed, byte_scale):
+@pytest.mark.parametrize("seed, byte_scale, v", [(k, 1, 1) for k in range(600, 608)] + [(k, 2**17, 1) for k in range(620, 622)]
+                         + [(k, 1, 2) for k in range(640, 643)])
+def test_milp_equals_brute_force_sequence_parallel(seed, byte_scale, v):
     """Sequence parallelism on and off for the same tensor-parallel candidates: its smaller
     activations and pipeline boundaries, and its all-gathers and reduce-scatters in place of
-    all-reduces, enter the MILP through the cost model's samples as the walk sees them."""
+    all-reduces, enter the MILP through the cost model's samples as the walk sees them. v = 2:
+    with the interleaved schedule's two stages a rank too (tp 2 x pp 2), every per-layer choice
+    open (none / selective / full, offload on the smaller models)."""
     rng = random.Random(seed)
-    n = rng.randint(3, 6)
+    n = rng.randint(3, 6) if v == 1 else rng.randint(4, 5)
     prof = add_tensor_parallel_samples(rng, random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale))
-    opts = SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=8, tp=2, offload="auto" if n <= 5 else "none")
+    pipeline = {} if v == 1 else {"pp": 2, "virtual_stages": v}
+    opts = SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=8, tp=2, offload="auto" if n <= 5 else "none",
+                        **pipeline)
     cands = list(enumerate_candidates(prof, opts))
     assert {c.sequence_parallel for c in cands} == {False, True}
     rng.shuffle(cands)
