@@ -66,6 +66,14 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
             styles[name] = GatheringColwise()                               # all-gather the tokens in
         elif sp and style == "rowwise" and linear:
             styles[name] = RowwiseParallel(output_layouts=SEQUENCE)         # reduce-scatter them out
+        elif style == "rowwise" and not linear:
+            # An embedding split by rows (the vocabulary): it takes the token ids whole (torch's
+            # default input layout, the last dim split, is a linear's and would gather the ids).
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "colwise" and not linear:
+            # An embedding split by columns (its width): its output gathered whole, as the
+            # layers after it take it (torch's default leaves it split along the width).
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
         else:
             styles[name] = STYLES[style]()
     if styles:

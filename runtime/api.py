@@ -154,8 +154,8 @@ class ParallelModel:
         `global_grad_norm()`, a collective, adds the shares after the step.
         Returns this rank's mean loss (None off the last stage)."""
         loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
-        if self.plan.sequence_parallel:
-            self._sum_partial_grads()
+        if self.plan.tp > 1:
+            self._settle_grads()
         self.grad_norm, self._norm_share = None, None
         if clip_grad_norm > 0:
             self.grad_norm = self.clip_grad_norm_(clip_grad_norm)
@@ -187,14 +187,16 @@ class ParallelModel:
         self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
 
-    def _sum_partial_grads(self) -> None:
-        """Under sequence parallelism a norm's weight gradient comes out of backward as a
-        partial sum over this rank's slice of the sequence (a Partial DTensor); add the TP
-        ranks' parts (FSDP2 does it for its units; here for layers it does not wrap) so that
-        the optimizer, which steps local tensors, sees the whole gradient."""
+    def _settle_grads(self) -> None:
+        """Give every TP gradient its parameter's layout. Some come out of backward in another:
+        under sequence parallelism a norm's weight gradient is a partial sum over this rank's
+        slice of the sequence, and a vocabulary-split embedding's is a partial sum of the whole
+        table (DTensor's embedding backward). FSDP2 redistributes its units' gradients itself;
+        this does it for the layers it does not wrap, so that the optimizer, which steps local
+        tensors, sees this rank's part of the whole gradient."""
         for p in self.optimizer.params:
             g = p.grad
-            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(placements=p.placements)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
