@@ -104,10 +104,8 @@ tp_divides = [N_HEAD]
 # Megatron-style tensor parallelism inside each block: q, k, v and fc split by output
 # features (heads), proj split by input features; one all-reduce after each proj. With
 # sequence parallelism (a plan's choice) the norms run on slices of the sequence instead, and
-# the all-reduces become an all-gather before each region and a reduce-scatter after it. The
-# token embedding is split by vocabulary rows (its output all-reduced).
+# the all-reduces become an all-gather before each region and a reduce-scatter after it.
 tp_plan = {
-    "tok": "rowwise",
     "ln1": "sequence",
     "ln2": "sequence",
     "attn.q": "colwise",

@@ -20,6 +20,7 @@ import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -55,20 +56,29 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-def _mode_kwargs(mode: str) -> dict:
-    """What torch.utils.checkpoint takes besides the layer for a "full" or "selective" mode."""
-    return {"context_fn": _selective_contexts} if mode == "selective" else {}
+def _mode_kwargs(layer: nn.Module, mode: str) -> dict:
+    """What torch.utils.checkpoint takes besides the layer for a "full" or "selective" mode.
+
+    A tensor-parallel layer's recompute runs its whole forward (early_stop=False): stopped as
+    soon as the saved tensors are back, it can leave a collective it started unwaited (a
+    vocabulary-split embedding's all-reduce, whose output only the next op waits for), and
+    torch keeps every such work registered: one more each step, and a warning when the
+    process ends. Other layers stop early, as torch's default, not recomputing past what
+    backward needs."""
+    split = any(isinstance(p, DTensor) for p in layer.parameters())
+    return {**({"early_stop": False} if split else {}),
+            **({"context_fn": _selective_contexts} if mode == "selective" else {})}
 
 
 def checkpointed_call(layer: nn.Module, mode: str):
     """`layer` as a function of its input under `mode` (the profiler measures this)."""
     if mode == "none":
         return layer
-    return functools.partial(checkpoint, layer, use_reentrant=False, **_mode_kwargs(mode))
+    return functools.partial(checkpoint, layer, use_reentrant=False, **_mode_kwargs(layer, mode))
 
 
 def wrap_checkpoint(layer: nn.Module, mode: str) -> nn.Module:
     """The layer wrapped to run under `mode` in a model (the runtime applies this)."""
     if mode == "none":
         return layer
-    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **_mode_kwargs(mode))
+    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **_mode_kwargs(layer, mode))

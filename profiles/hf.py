@@ -446,8 +446,10 @@ SEQUENCE_PARALLEL_NORMS = {model_type: ("input_layernorm", "post_attention_layer
 def translate_tp_plan(base_plan: dict | None, model_type: str = "") -> dict[str, str]:
     """The config's base_model_tp_plan in the adapted layers' names and the project's styles;
     for the families of SEQUENCE_PARALLEL_NORMS, with their decoder layers' norms as "sequence"
-    modules (Megatron's sequence parallelism, a plan's choice); where it splits the decoder
-    layers, with the token embedding split by vocabulary rows too."""
+    modules (Megatron's sequence parallelism, a plan's choice). The embedding is not split by
+    its vocabulary (Megatron's vocabulary-parallel embedding): measured under FakeTensorMode,
+    as `plan profile --fake` does for full-size models, a split nn.Embedding crashes torch 2.13
+    (a segmentation fault, seen with this adapter's Llama 3 8B and with examples/gpt.py)."""
     out = {}
     for key, style in (base_plan or {}).items():
         style = {"rowwise_rep": "rowwise"}.get(style, style)
@@ -457,7 +459,6 @@ def translate_tp_plan(base_plan: dict | None, model_type: str = "") -> dict[str,
         out[local] = style
     if any(key.startswith("layers.*.") for key in (base_plan or {})):
         out.update({norm: "sequence" for norm in SEQUENCE_PARALLEL_NORMS.get(model_type, ())})
-        out.setdefault("embed_tokens", "rowwise")   # the vocabulary split over TP ranks, as Megatron and torchtitan do
     return out
 
 

@@ -10,7 +10,8 @@ from profiles.model_file import file_sha256
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt.py"
 MLP = ROOT / "examples" / "mlp.py"
-N_LAYERS = {GPT: 6, MLP: 10}  # gpt: embedding, 4 blocks, head; mlp: input, 8 blocks, classifier
+VOCAB_GPT = ROOT / "tests" / "vocab_gpt.py"   # gpt with its embedding split by vocabulary rows
+N_LAYERS = {GPT: 6, MLP: 10, VOCAB_GPT: 6}  # gpt: embedding, 4 blocks, head; mlp: input, 8 blocks, classifier
 
 
 def model_ref(path: Path) -> dict:

@@ -94,6 +94,17 @@ def test_bad_model_file(case, tmp_path):
     assert not out.exists()
 
 
+def test_fake_profile_of_a_split_embedding_is_refused(tmp_path):
+    """Measured under FakeTensorMode, an nn.Embedding split by the tp_plan crashes torch 2.13
+    (a segmentation fault): --fake refuses it in one sentence instead."""
+    from pathlib import Path
+    out = tmp_path / "profile.json"
+    model = Path(__file__).resolve().parent / "vocab_gpt.py"
+    result = run(["profile", str(model), "--fake", "-o", str(out)], tmp_path)
+    assert_one_sentence_error(result, ["splits the embedding tok of layer 0", "profile without --fake"])
+    assert not out.exists()
+
+
 def test_binary_model_file(tmp_path):
     model = tmp_path / "model.pt"
     model.write_bytes(b"\x80\x04\x95\x00\x00PK\x03\x04\x00\xff\xfe")

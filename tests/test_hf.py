@@ -112,8 +112,7 @@ def test_tp_plan_comes_from_the_config():
     spec = hf.load_hf_spec("llama-3-8b")
     assert spec.tp_plan == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                            "mlp.down_proj": "rowwise", "input_layernorm": "sequence", "post_attention_layernorm": "sequence",
-                            "embed_tokens": "rowwise"}
+                            "mlp.down_proj": "rowwise", "input_layernorm": "sequence", "post_attention_layernorm": "sequence"}
     assert spec.seq_len == 4096 and spec.source == "hf-config" and spec.name == "llama-3-8b"
     assert hf.load_hf_spec("gpt2").tp_plan == {} and hf.load_hf_spec("gpt2").seq_len == 1024
 

@@ -40,7 +40,7 @@ from runtime.launch import build_command
 from runtime.reference import train_reference
 from runtime.sharded_optimizer import chunk_bounds
 
-from runtime_cases import MLP, make_plan
+from runtime_cases import MLP, VOCAB_GPT, make_plan
 
 STEPS = 3
 DRIVER = Path(__file__).parent / "runtime_driver.py"
@@ -84,6 +84,7 @@ CASES = {
     "selective_zero3": make_plan(dp=2, zero=3, selective={1, 2, 5}, optimizer=MOMENTUM),
     "selective_tp2": make_plan(tp=2, selective={1, 2, 3, 4}, optimizer=MOMENTUM),
     "tp2_sp": make_plan(tp=2, sp=True, optimizer=MOMENTUM),
+    "tp2_vocab_embedding": make_plan(VOCAB_GPT, tp=2, checkpoint={0}, optimizer=MOMENTUM),   # rowwise nn.Embedding
     "selective_tp2_sp": make_plan(tp=2, sp=True, selective={1, 2, 4}, checkpoint={3}, optimizer=MOMENTUM),
     "selective_pp2": make_plan(MLP, pp=2, m=2, selective=set(range(10)), optimizer=MOMENTUM),
     "mixed_zero2": make_plan(dp=2, zero=2, precision="mixed", optimizer=SGD),
