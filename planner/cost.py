@@ -445,7 +445,7 @@ class CostModel:
         schedule instead holds every send (stage output and input gradient) to the step's end
         (memory.holds_sends).
         """
-        b, m = cand.micro_batch_size, cand.num_micro_batches
+        m = cand.num_micro_batches
         first, last = choices[0][0], choices[-1][0]
         is_first, is_last = first == 0, last == self.profile.n_layers - 1
         static, per_mb, after_backward, sent = self.batch_bytes(cand, is_first, is_last), 0, 0, 0
@@ -541,7 +541,6 @@ class CostModel:
 
     def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:
         """Activation bytes a stage from layer `first` to `last` exchanges with its neighbours per micro-batch."""
-        b = cand.micro_batch_size
         nbytes = 0
         if cand.pp > 1 and first > 0:
             nbytes += self.sample(first, cand).input_bytes

@@ -196,36 +196,16 @@ class LayerProfile(Sampled):
         parallelism: memory, FLOPs and collectives from sp_samples, where the layer's input and
         output are split too; times as without it, docs/cost-model.md)."""
         if sequence_parallel and tp > 1 and self.sp_samples:
-            base, one, two = self.at_tp(b, tp), self.at(b), self._sp.at(b)
-            vals = {}
-            for name in SAMPLE_FIELDS:
-                v1, v2 = getattr(one, name), getattr(two, name)
-                if name in TIME_FIELDS:
-                    v = getattr(base, name)
-                elif name in TP_COMM_FIELDS:
-                    v = v2
-                else:
-                    shard = (v1 - v2) * TP_MEASURED / (TP_MEASURED - 1)
-                    v = max(0.0, (v1 - shard) + shard / tp)
-                vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+            # The layer's input and output are split too: no figure is held at its t = 1 value.
+            vals = split_between(self.at(b), self._sp.at(b), tp, fixed=set())
+            base = self.at_tp(b, tp)
+            vals.update({name: getattr(base, name) for name in TIME_FIELDS})
             return LayerSample(**vals)
         one = self.at(b)
         if tp == 1 or not self.tp_samples:
             return one
         two = self._tp.at(b)
-        vals = {}
-        for name in SAMPLE_FIELDS:
-            v1, v2 = getattr(one, name), getattr(two, name)
-            if name in TP_COMM_FIELDS:
-                v = v2
-            elif name in TP_FIXED_FIELDS:
-                v = v1
-            else:
-                # f(t) = r + s/t through f(1) = v1 and f(TP_MEASURED) = v2.
-                k = TP_MEASURED
-                shard = (v1 - v2) * k / (k - 1)
-                v = max(0.0, (v1 - shard) + shard / tp)
-            vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+        vals = split_between(one, two, tp, fixed=TP_FIXED_FIELDS)
         if self.tp_times:
             # f(t) = r + s/t through f(TP_MEASURED) and f(TP_TIMED), both under DTensor.
             lo, hi = TP_MEASURED, TP_TIMED
@@ -238,6 +218,25 @@ class LayerProfile(Sampled):
             if one.fwd_s > 0:
                 vals["sac_recompute_s"] = one.sac_recompute_s * vals["fwd_s"] / one.fwd_s
         return LayerSample(**vals)
+
+
+def split_between(one: LayerSample, two: LayerSample, tp: int, fixed: set[str]) -> dict:
+    """Every figure at degree tp from its values at t = 1 (`one`) and t = TP_MEASURED (`two`):
+    f(t) = r + s/t through both, except the collectives (taken from `two` as they are) and the
+    `fixed` fields (from `one`)."""
+    vals = {}
+    for name in SAMPLE_FIELDS:
+        v1, v2 = getattr(one, name), getattr(two, name)
+        if name in TP_COMM_FIELDS:
+            v = v2
+        elif name in fixed:
+            v = v1
+        else:
+            k = TP_MEASURED
+            shard = (v1 - v2) * k / (k - 1)
+            v = max(0.0, (v1 - shard) + shard / tp)
+        vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
+    return vals
 
 
 @dataclass
