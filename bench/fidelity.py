@@ -1,6 +1,7 @@
 """Predicted vs measured: every knob, run for real.
 
-For examples/gpt.py and examples/mlp.py, profiles the model on this CPU, builds a matrix of
+For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama (examples/hf-llama-tiny,
+embedding and head split by vocabulary under TP), profiles the model on this CPU, builds a matrix of
 plans with the cost model (one process at micro-batch 1, 2 and 4; checkpointing some and all
 layers; selective checkpointing alone, beside full, under ZeRO 3, tp2 and pp2; offload; ZeRO 0-3;
 dp2; tp2; pp2 with 1F1B, GPipe and interleaved 1F1B (two stages a rank); dp2 x tp2; pp2 x dp2,
@@ -8,7 +9,7 @@ also interleaved; mixed precision), runs each with the runtime under torchrun (C
 stage the predicted and measured peak memory and the error, plus predicted and measured step
 time (only indicative on CPU processes sharing two cores).
 
-    python bench/fidelity.py [--models gpt,mlp] [--only NAME]   # writes bench/results/fidelity.{csv,md}
+    python bench/fidelity.py [--models gpt,mlp,llama] [--only NAME]   # writes bench/results/fidelity.{csv,md}
 """
 
 from __future__ import annotations
@@ -106,14 +107,19 @@ def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
     return out
 
 
+MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
+
+
 def profile(model: str, precision: str, cache: dict):
     key = (model, precision)
     if key not in cache:
+        from profiles.hf import load_hf_spec
         from profiles.measure import ProfileOptions, profile_model
         from profiles.model_file import load_model_file
         path = tempfile.mktemp(suffix=".json")
-        prof = profile_model(load_model_file(ROOT / "examples" / f"{model}.py"),
-                             ProfileOptions(precision=precision, repeats=3))
+        source = ROOT / MODELS[model]
+        spec = load_model_file(source) if source.suffix == ".py" else load_hf_spec(str(source))
+        prof = profile_model(spec, ProfileOptions(precision=precision, repeats=3))
         prof.save(path)
         cache[key] = (prof, path)
     return cache[key]
@@ -149,7 +155,7 @@ def run_case(model: str, case: Case, cache: dict, workdir: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--models", default="gpt,mlp,llama")
     ap.add_argument("--only", default=None, help="run only the cases with these names (comma-separated)")
     args = ap.parse_args()
     cache: dict = {}

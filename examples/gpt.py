@@ -104,7 +104,8 @@ tp_divides = [N_HEAD]
 # Megatron-style tensor parallelism inside each block: q, k, v and fc split by output
 # features (heads), proj split by input features; one all-reduce after each proj. With
 # sequence parallelism (a plan's choice) the norms run on slices of the sequence instead, and
-# the all-reduces become an all-gather before each region and a reduce-scatter after it.
+# the all-reduces become an all-gather before each region and a reduce-scatter after it. The
+# head is split by vocabulary and the loss computed on its split logits ("vocab").
 tp_plan = {
     "ln1": "sequence",
     "ln2": "sequence",
@@ -114,4 +115,5 @@ tp_plan = {
     "attn.proj": "rowwise",
     "mlp.fc": "colwise",
     "mlp.proj": "rowwise",
+    "lm_head": "vocab",
 }

@@ -225,14 +225,18 @@ class CostModel:
     def loss(self, cand: Candidate) -> LayerCost:
         key = (cand, "loss")
         if key not in self._cache:
-            s = self.profile.loss.at(cand.micro_batch_size)
+            # On logits a "vocab" head leaves split (profiles' tp_plan), loss_parallel's:
+            # 1/tp of the work and memory, and its all-reduces on the critical path.
+            s = self.profile.loss.at_tp(cand.micro_batch_size, cand.tp)
             mem = LayerMemory(0, 0, 0, 0, s.input_bytes, s.output_bytes,
                               own=s.saved_bytes - s.saved_input_bytes - s.saved_output_bytes,
                               keeps_input=s.saved_input_bytes > 0, keeps_output=s.saved_output_bytes > 0,
                               fwd_transient=s.fwd_transient_bytes, bwd_peak=s.bwd_peak_bytes,
                               bwd_accum_peak=s.bwd_accum_peak_bytes)
             f, b = self._times(s)
-            self._cache[key] = LayerCost(mem, f + b, 0.0, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops, forward_s=f)
+            tp_comm = self.collective_s("all_reduce", s.tp_fwd_comm_bytes + s.tp_bwd_comm_bytes, cand.tp, cand,
+                                        count=s.tp_fwd_comm_count + s.tp_bwd_comm_count)
+            self._cache[key] = LayerCost(mem, f + b, tp_comm, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops, tp_comm, forward_s=f)
         return self._cache[key]
 
     def _layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:
@@ -503,7 +507,7 @@ class CostModel:
         costs, loss = self.stage_costs(cand, stage, choices)
         first, last = choices[0][0], choices[-1][0]
         terms = self.time_terms(
-            cand, layers_s=sum(c.micro_batch_s for c in costs), loss_s=loss.compute_s if loss else 0.0,
+            cand, layers_s=sum(c.micro_batch_s for c in costs), loss_s=loss.micro_batch_s if loss else 0.0,
             sent_bytes=self.boundary_bytes(cand, first, last), boundaries=(first > 0) + (last < self.profile.n_layers - 1),
             step_s=sum(c.step_s for c in costs), sync_s=sum(c.sync_s for c in costs),
             compute_s=sum(c.compute_s for c in costs))
@@ -587,7 +591,7 @@ class CostModel:
         """One stage's time per micro-batch and once per step by component (they add up to both)."""
         costs, loss = self.stage_costs(cand, stage, choices)
         compute = sum(c.compute_s for c in costs) + (loss.compute_s if loss else 0.0)
-        tp = sum(c.tp_comm_s for c in costs)
+        tp = sum(c.tp_comm_s for c in costs) + (loss.tp_comm_s if loss else 0.0)
         offload = sum(c.offload_s for c in costs)
         dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs)
         step = sum(c.step_s for c in costs)

@@ -146,7 +146,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     tau_most = None
     if cutoff is not None and m - 1 / v > 0:
         one_boundary = model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch if S > 1 else 0.0
-        least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.compute_s + 2 * (S - 1) * one_boundary
+        least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.micro_batch_s + 2 * (S - 1) * one_boundary
         tau_most = (cutoff * (1 + CUTOFF_SLACK) - least / v) / (m - 1 / v)
 
     def most(r: int, s: int) -> int:
@@ -504,7 +504,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         terms = model.time_terms(
             cand,
             layers_s=lp.lin_sum(cost[r, c].micro_batch_s * L[r, s, c] for r, c in seg),
-            loss_s=loss.compute_s if last_stage else 0.0,
+            loss_s=loss.micro_batch_s if last_stage else 0.0,
             sent_bytes=((stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)) if S > 1 else 0,
             boundaries=(s > 0) + (not last_stage) if S > 1 else 0,
             step_s=lp.lin_sum(cost[r, c].step_s * L[r, s, c] for r, c in seg),

@@ -280,7 +280,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
         without_sync += length * best_wo
         fullest_run = max(fullest_run, -(-length // pp) * best_t)
         fastest_each += [best_t] * length
-    loss_s = model.loss(cand).compute_s
+    loss_s = model.loss(cand).micro_batch_s
     loss = (m + (pp - 1) / v) * loss_s
     # Some rank holds at least ceil(n / pp) layers, so it takes at least as long as that
     # many of the fastest layers; with pp > 1 it also exchanges one activation.

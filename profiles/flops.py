@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+
+from .live_memory import ShapePropagation
 
 aten = torch.ops.aten
 
@@ -100,12 +103,23 @@ class OpCost(TorchDispatchMode):
         self.op_seconds = op_seconds
         self.seconds = 0.0
 
+    def __enter__(self):
+        self._watch = ShapePropagation.watch()
+        self._watch.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._watch.__exit__(None, None, None)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let DTensor lower itself first, so that the local (sharded) ops are what is counted.
         if DTensor is not None and any(t is DTensor for t in types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if ShapePropagation.depth:
+            return out
         packet = func.overloadpacket
         if packet in _ALL_REDUCE:
             self.all_reduce_bytes += _tensor_bytes([args[0]])

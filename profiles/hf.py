@@ -441,15 +441,16 @@ def hf_parameter_names(config) -> dict[str, str]:
 # slice of the sequence without it would step on part of its gradient).
 SEQUENCE_PARALLEL_NORMS = {model_type: ("input_layernorm", "post_attention_layernorm")
                            for model_type in ("llama", "mistral", "qwen2")}
+# The vocabulary split over tensor-parallel ranks, as Megatron, torchtitan and the Llama 3 run
+# do: the embedding by rows, the head by columns with the loss on its split logits.
+VOCABULARY_PARALLEL = {"embed_tokens": "rowwise", "lm_head": "vocab"}
 
 
 def translate_tp_plan(base_plan: dict | None, model_type: str = "") -> dict[str, str]:
     """The config's base_model_tp_plan in the adapted layers' names and the project's styles;
     for the families of SEQUENCE_PARALLEL_NORMS, with their decoder layers' norms as "sequence"
-    modules (Megatron's sequence parallelism, a plan's choice). The embedding is not split by
-    its vocabulary (Megatron's vocabulary-parallel embedding): measured under FakeTensorMode,
-    as `plan profile --fake` does for full-size models, a split nn.Embedding crashes torch 2.13
-    (a segmentation fault, seen with this adapter's Llama 3 8B and with examples/gpt.py)."""
+    modules (Megatron's sequence parallelism, a plan's choice) and the embedding and head split
+    by vocabulary (VOCABULARY_PARALLEL)."""
     out = {}
     for key, style in (base_plan or {}).items():
         style = {"rowwise_rep": "rowwise"}.get(style, style)
@@ -457,8 +458,9 @@ def translate_tp_plan(base_plan: dict | None, model_type: str = "") -> dict[str,
             continue   # other styles need comms the project does not do; the module stays replicated
         local = key.split("layers.*.", 1)[1] if key.startswith("layers.*.") else key
         out[local] = style
-    if any(key.startswith("layers.*.") for key in (base_plan or {})):
-        out.update({norm: "sequence" for norm in SEQUENCE_PARALLEL_NORMS.get(model_type, ())})
+    if any(key.startswith("layers.*.") for key in (base_plan or {})) and model_type in SEQUENCE_PARALLEL_NORMS:
+        out.update({norm: "sequence" for norm in SEQUENCE_PARALLEL_NORMS[model_type]})
+        out.update(VOCABULARY_PARALLEL)
     return out
 
 

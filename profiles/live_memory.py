@@ -14,6 +14,7 @@ measured without allocating it.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import wraps
 
 import torch
@@ -31,6 +32,40 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+class ShapePropagation:
+    """Whether DTensor is working out an op's output shape: its ShardingPropagator runs the op
+    on fake tensors of the global shape, which neither allocate nor move anything of the step.
+    A dispatch mode that counts (LiveMemory, flops.OpCost) lets them through uncounted; counted,
+    loss_parallel's handlers, which propagate afresh on every call, added two unsharded
+    (tokens, vocabulary) float32 tensors to the loss's transient peak and three to its traffic.
+    `watch()` installs the wrapper that keeps `depth` while a mode is active."""
+
+    depth = 0
+
+    @staticmethod
+    @contextmanager
+    def watch():
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        orig = ShardingPropagator._propagate_tensor_meta_non_cached
+        if getattr(orig, "watched", False):       # a mode inside another
+            yield
+            return
+
+        @wraps(orig)
+        def propagate(self, op_schema):
+            ShapePropagation.depth += 1
+            try:
+                return orig(self, op_schema)
+            finally:
+                ShapePropagation.depth -= 1
+        propagate.watched = True
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
 
 class LiveMemory(TorchDispatchMode):
@@ -104,16 +139,21 @@ class LiveMemory(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self._watch = ShapePropagation.watch()
+        self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
+        self._watch.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let DTensor lower itself to local-tensor ops first; those are what allocate.
         if DTensor is not None and any(t is DTensor for t in types):
             return NotImplemented
+        if ShapePropagation.depth:
+            return func(*args, **(kwargs or {}))
         if func is _WAIT_TENSOR and active_fake_mode() is not None:
             # Under FakeTensorMode wait_tensor returns a new tensor; eagerly it returns its input.
             return args[0]

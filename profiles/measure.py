@@ -39,8 +39,8 @@ from . import model_file as mf
 from .checkpointing import checkpointed_call
 from .flops import OpCost
 from .live_memory import LiveMemory
-from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, ParamInfo, Profile, Sampled, splits_evenly
-from .tensor_parallel import apply_tp, fake_tp_mesh
+from .schema import TP_MEASURED, TP_TIMED, LayerProfile, LayerSample, LossProfile, ParamInfo, Profile, splits_evenly
+from .tensor_parallel import apply_tp, fake_tp_mesh, loss_context
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -129,6 +129,16 @@ def _clear_grads(module: nn.Module, x: torch.Tensor | None = None) -> None:
         x.grad = None
 
 
+def _call(fn: Callable, x: torch.Tensor):
+    """fn(x), its async collective (a rowwise layer's all-reduce, DTensor's) waited for, as
+    the next layer would; a collective never waited stays registered, and torch warns of it
+    when the process ends."""
+    out = fn(x)
+    if isinstance(out, AsyncCollectiveTensor):
+        out.wait()
+    return out
+
+
 def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -> dict:
     """Memory figures of `fn(x)` (a layer, or the layer under checkpointing).
 
@@ -152,7 +162,7 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             tracker.reset_peak()
             live_before_fwd = tracker.live
-            out = fn(x_in)
+            out = _call(fn, x_in)
             live_after_fwd = tracker.live
             fwd_peak = tracker.peak
             in_ids = {id(st) for st in _storages(x_in)}
@@ -170,7 +180,7 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
                 fig["retained_bytes"] = live_after_fwd - live_before_fwd - out_new
             saved.clear()
             if out.requires_grad:
-                grad = torch.randn_like(out)
+                grad = torch.ones_like(out)   # (DTensor's random ops warn on a CPU mesh)
                 root = _Root.apply(out, grad)
                 before_del = tracker.live
                 del out, grad
@@ -202,7 +212,7 @@ def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None) -> tuple[OpCost
     their achievable times, given `op_seconds`)."""
     x_in = _fresh_input(x)
     with OpCost(op_seconds) as fwd:
-        out = fn(x_in)
+        out = _call(fn, x_in)
     bwd = OpCost(op_seconds)
     if out.requires_grad:
         grad = torch.ones_like(out)
@@ -219,7 +229,7 @@ def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: Profile
     for rep in range(opts.warmup + opts.repeats):
         t_f = _Timer(cuda)
         with t_f:
-            out = fn(x_in)
+            out = _call(fn, x_in)
         if out.requires_grad:
             grad = torch.ones_like(out)
             t_b = _Timer(cuda)
@@ -315,6 +325,8 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
         fwd_transient_bytes=m["fwd_transient_bytes"], bwd_peak_bytes=m["bwd_first"],
         bwd_accum_peak_bytes=m["bwd_accum"], fwd_s=fwd_s, bwd_s=bwd_s, fwd_flops=fwd.flops,
         bwd_flops=bwd.flops, fwd_io_bytes=fwd.io_bytes, bwd_io_bytes=bwd.io_bytes,
+        tp_fwd_comm_bytes=fwd.all_reduce_bytes, tp_bwd_comm_bytes=bwd.all_reduce_bytes,
+        tp_fwd_comm_count=fwd.all_reduce_count, tp_bwd_comm_count=bwd.all_reduce_count,
     )
 
 
@@ -324,10 +336,21 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
 
 TP_DIMS = {  # (style, module kind) -> {param name: dim the style shards}
     ("colwise", "Linear"): {"weight": 0, "bias": 0},
+    ("vocab", "Linear"): {"weight": 0, "bias": 0},
     ("rowwise", "Linear"): {"weight": 1},
     ("colwise", "Embedding"): {"weight": 1},
     ("rowwise", "Embedding"): {"weight": 0},
 }
+
+
+def copy_layer(layer: nn.Module) -> nn.Module:
+    """A deep copy of the layer whose fake tensors (FakeTensorMode) share the original's mode.
+    A plain deepcopy copies the mode too, with its table of constants' storage weak references
+    (DTensor's vocabulary-split embedding makes such constants); both copies of a reference
+    are freed when they die, and torch 2.13 then crashes with a segmentation fault."""
+    modes = {id(t.fake_mode): t.fake_mode for t in list(layer.parameters()) + list(layer.buffers())
+             if getattr(t, "fake_mode", None) is not None}
+    return copy.deepcopy(layer, memo=dict(modes))
 
 
 def static_figures(layer: nn.Module, index: int, name: str, tp_matches: dict[str, str], opts: ProfileOptions) -> LayerProfile:
@@ -350,7 +373,7 @@ def static_figures(layer: nn.Module, index: int, name: str, tp_matches: dict[str
         buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
         grad_bytes=count * s_size,
         optimizer_state_bytes=optimizer_state_bytes(opts.optimizer, numels, s_size),
-        tp_param_bytes=tp_count * s_size, params=params,
+        tp_param_bytes=tp_count * s_size, params=params, vocab_head="vocab" in tp_matches.values(),
     )
 
 
@@ -520,19 +543,10 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
         model = mf.build_checked_model(spec)
         check_no_shared_params(model, spec)
         tp_matches = mf.check_tp_plan(model, spec)
-        if opts.fake:
-            for i, matches in enumerate(tp_matches):
-                split = [n for n in matches if isinstance(model[i].get_submodule(n), nn.Embedding) and matches[n] != "sequence"]
-                if split:
-                    # torch 2.13 dies with a segmentation fault measuring it under FakeTensorMode
-                    # (tests/vocab_gpt.py, and Llama 3 8B's embed_tokens split by rows).
-                    raise mf.ModelFileError(f"the tp_plan of {spec.path} splits the embedding {split[0]} of {mf.layer_name(model, i)}, "
-                                            "which --fake cannot measure (torch crashes); profile without --fake, or leave the "
-                                            "embedding out of the tp_plan.")
         edges = mf.sequence_parallel_edges(tp_matches)
         layers = [static_figures(layer, i, name, tp_matches[i], opts)
                   for i, (name, layer) in enumerate(model.named_children())]
-        loss = Sampled()
+        loss = LossProfile()
         batch = {"input_bytes": {}, "target_bytes": {}}
         total = (len(model) + 1) * len(opts.batch_sizes)
         for b in opts.batch_sizes:
@@ -568,25 +582,41 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                     # (A layer whose split dims 2 does not divide admits no TP degree: the
                     # planner then offers none, and DTensor could not run it unevenly anyway.)
                     if tp_mesh is not None and tp_matches[i] and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
-                        split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh)
+                        split = apply_tp(copy_layer(layer), tp_matches[i], tp_mesh)
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split
-                        if tp_timed_mesh is not None and splits_evenly(layers[i].params, list(spec.tp_divides), TP_TIMED):
-                            split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_timed_mesh)
+                        if not opts.fake and splits_evenly(layers[i].params, list(spec.tp_divides), TP_TIMED):
+                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_timed_mesh)
                             layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
                             del split
                     if tp_mesh is not None and (edges[i][0] or edges[i][1]) and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
                         # Under sequence parallelism: the layers that run it, and those that
                         # receive a slice of the sequence (memory and collectives; no timing).
-                        split = apply_tp(copy.deepcopy(layer), tp_matches[i], tp_mesh, edges[i])
+                        split = apply_tp(copy_layer(layer), tp_matches[i], tp_mesh, edges[i])
                         part = sequence_slice(x, TP_MEASURED) if edges[i][1] else x
                         layers[i].sp_samples[b] = measure_layer(split, part, opts, op_seconds, timed=False)
                         del split, part
-                x = nxt
+                last_input, x = x, nxt
             on_progress(f"micro-batch {b}: loss", total)
             with torch.no_grad():
                 mf.run_loss_checked(spec, x, targets)
             loss.samples[b] = measure_loss(spec.loss_fn, x, targets, opts, op_seconds)
+            if layers[-1].vocab_head and b in layers[-1].tp_samples:
+                # The loss on the logits a "vocab" head leaves split, under loss_parallel, at
+                # two degrees (schema.LossProfile says why not through t = 1).
+                for mesh in (tp_mesh, tp_timed_mesh):
+                    split = apply_tp(copy_layer(model[-1]), tp_matches[-1], mesh)
+                    with torch.no_grad():
+                        logits = split(last_input).requires_grad_(True)
+                    try:
+                        with loss_context(spec.tp_plan, mesh.size()):
+                            loss.split_samples.setdefault(mesh.size(), {})[b] = measure_loss(spec.loss_fn, logits, targets, opts, op_seconds)
+                    except Exception as e:  # noqa: BLE001
+                        raise mf.ModelFileError(
+                            f"the loss in {spec.path} cannot take the logits of its \"vocab\" head split by vocabulary under "
+                            f"torch's loss_parallel ({type(e).__name__}: {mf.first_line(e)}); compute it with F.cross_entropy "
+                            "on the logits, or take the head out of the tp_plan.") from None
+                    del split, logits
         if not opts.fake:
             steps: dict[str, float] = {}     # the optimizer step depends on the parameter shapes only
             for i, layer in enumerate(model):
@@ -621,11 +651,12 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
 def _tp_context(spec: mf.ModelSpec, opts: ProfileOptions):
     """(a fake mesh of TP_MEASURED ranks, one of TP_TIMED ranks or None). The first when the
     model has a tp_plan (TP is measured on it) or its layers are timed (FSDP2's hooks are
-    measured on it), else None; the second when a tp_plan's layers are timed (tp_times)."""
+    measured on it), else None; the second when it has a tp_plan (its layers are timed at
+    TP_TIMED ranks too, tp_times, and a "vocab" head's loss is measured there)."""
     if not spec.tp_plan and opts.fake:
         yield None, None
         return
-    if opts.fake or not spec.tp_plan:
+    if not spec.tp_plan:
         with fake_tp_mesh(opts.device, TP_MEASURED) as mesh:
             yield mesh, None
         return

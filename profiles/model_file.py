@@ -23,8 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-TP_STYLES = ("colwise", "rowwise", "sequence")   # "sequence": a per-token module (a norm) run on a slice of
-                                                 # the sequence when the plan turns sequence parallelism on
+TP_STYLES = ("colwise", "rowwise", "sequence", "vocab")
+# "sequence": a per-token module (a norm) run on a slice of the sequence when the plan turns
+#   sequence parallelism on.
+# "vocab": the output head (an nn.Linear, the last layer's last module): column-parallel over the
+#   vocabulary, its logits left split for the loss, which torch's loss_parallel computes on the
+#   shards (Megatron's vocabulary-parallel cross-entropy) instead of gathering (B, T, V).
 
 
 class ModelFileError(Exception):
@@ -236,8 +240,15 @@ def check_tp_plan(model: nn.Sequential, spec: ModelSpec) -> list[dict[str, str]]
             sub = model[i].get_submodule(name)
             if style in ("colwise", "rowwise") and not isinstance(sub, (nn.Linear, nn.Embedding)):
                 raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} {style}, but it is a {type(sub).__name__}; colwise and rowwise apply to nn.Linear and nn.Embedding only.")
+            if style == "vocab" and not (isinstance(sub, nn.Linear) and i == len(model) - 1):
+                raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} \"vocab\", but "
+                                     f"\"vocab\" applies to the output head only: an nn.Linear in the last layer whose output is the logits the loss takes.")
             if style == "sequence" and any(True for _ in sub.children()):
                 raise ModelFileError(f"tp_plan entry {pattern!r} in {spec.path} makes {name} of {layer_name(model, i)} sequence-parallel, but it is a {type(sub).__name__} with submodules; \"sequence\" applies to per-token modules such as norms.")
+    heads = [name for name, style in per_layer[-1].items() if style == "vocab"]
+    if len(heads) > 1:
+        raise ModelFileError(f"the tp_plan of {spec.path} makes both {heads[0]} and {heads[1]} of {layer_name(model, len(model) - 1)} \"vocab\"; "
+                             "name only the output head whose logits the loss takes.")
     for i, matches in enumerate(per_layer):
         # Under sequence parallelism every weight of such a layer must belong to a module the
         # plan splits or runs on slices: any other would see a slice and learn from part of it.

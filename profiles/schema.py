@@ -29,7 +29,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SCHEMA_VERSION = 5   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times; 4: sac_*; 5: sp_samples
+SCHEMA_VERSION = 6   # 2: layers timed with the runtime's threads per process; optimizer steps measured; 3: tp_times; 4: sac_*; 5: sp_samples;
+                     # 6: a "vocab" head's split logits (vocab_head, the loss's split_samples)
 TP_MEASURED = 2   # the tensor-parallel degree layers are measured at, besides 1
 TP_TIMED = 4      # the second degree measured profiles time tensor-parallel layers at (tp_times)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -101,6 +102,8 @@ TIME_FIELDS = {"fwd_s", "bwd_s", "sac_recompute_s"}
 # Whether a layer keeps its input or output is a yes/no fact of its ops, not a size that
 # shrinks with tensor parallelism; these are taken from the tp=1 sample as they are.
 TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
+# ... except the output of a layer whose "vocab" head leaves its logits split: that shrinks.
+OUTPUT_FIELDS = {"output_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
 
 
 @dataclass
@@ -179,6 +182,7 @@ class LayerProfile(Sampled):
     tp_times: dict[int, list[float]] = field(default_factory=dict)  # b -> [fwd_s, bwd_s] at TP_TIMED (measured profiles)
     sp_samples: dict[int, LayerSample] = field(default_factory=dict)  # as tp_samples, under sequence parallelism, for the
                                                                       # layers it changes (those that run it and their successors)
+    vocab_head: bool = False   # its tp_plan names a "vocab" head: under TP its output is the logits split by vocabulary
 
     def refit(self) -> None:
         super().refit()
@@ -205,7 +209,7 @@ class LayerProfile(Sampled):
         if tp == 1 or not self.tp_samples:
             return one
         two = self._tp.at(b)
-        vals = split_between(one, two, tp, fixed=TP_FIXED_FIELDS)
+        vals = split_between(one, two, tp, fixed=TP_FIXED_FIELDS - OUTPUT_FIELDS if self.vocab_head else TP_FIXED_FIELDS)
         if self.tp_times:
             # f(t) = r + s/t through f(TP_MEASURED) and f(TP_TIMED), both under DTensor.
             lo, hi = TP_MEASURED, TP_TIMED
@@ -220,10 +224,39 @@ class LayerProfile(Sampled):
         return LayerSample(**vals)
 
 
-def split_between(one: LayerSample, two: LayerSample, tp: int, fixed: set[str]) -> dict:
-    """Every figure at degree tp from its values at t = 1 (`one`) and t = TP_MEASURED (`two`):
-    f(t) = r + s/t through both, except the collectives (taken from `two` as they are) and the
-    `fixed` fields (from `one`)."""
+@dataclass
+class LossProfile(Sampled):
+    """The loss function, as if it were one more layer without parameters. When the model's
+    head is a "vocab" one, `split_samples[t]`: the loss on logits split over t ranks (under
+    loss_parallel, a fake process group), measured at t = TP_MEASURED and TP_TIMED. A figure
+    at t >= 2 is r + s/t through those two, not through t = 1: loss_parallel is another
+    algorithm than the plain loss (its own max, exponentials and target gather, three
+    all-reduces), and a line from the plain loss's figures reads that difference as a
+    negative shard that grows with t (measured on examples/gpt.py's head: a forward transient
+    of 0 bytes at t = 1 and 133 KB at t = 2, which the line through both put at 199 KB at t = 4)."""
+
+    split_samples: dict[int, dict[int, LayerSample]] = field(default_factory=dict)
+
+    def refit(self) -> None:
+        super().refit()
+        self._split = {t: Sampled(samples=samples) for t, samples in self.split_samples.items()}
+        for fits in self._split.values():
+            fits.refit()
+
+    def at_tp(self, b: int, tp: int) -> LayerSample:
+        """Figures at micro-batch b with the logits split over tp ranks (as at b without a split)."""
+        if tp == 1 or not self.split_samples:
+            return self.at(b)
+        lo, hi = TP_MEASURED, TP_TIMED
+        return LayerSample(**split_between(self._split[lo].at(b), self._split[hi].at(b), tp, fixed=set(), degrees=(lo, hi)))
+
+
+def split_between(one: LayerSample, two: LayerSample, tp: int, fixed: set[str],
+                  degrees: tuple[int, int] = (1, TP_MEASURED)) -> dict:
+    """Every figure at degree tp from its values at the two `degrees` (`one` at the first, `two`
+    at the second; by default t = 1 and t = TP_MEASURED): f(t) = r + s/t through both, except
+    the collectives (taken from `two` as they are) and the `fixed` fields (from `one`)."""
+    lo, hi = degrees
     vals = {}
     for name in SAMPLE_FIELDS:
         v1, v2 = getattr(one, name), getattr(two, name)
@@ -232,9 +265,8 @@ def split_between(one: LayerSample, two: LayerSample, tp: int, fixed: set[str]) 
         elif name in fixed:
             v = v1
         else:
-            k = TP_MEASURED
-            shard = (v1 - v2) * k / (k - 1)
-            v = max(0.0, (v1 - shard) + shard / tp)
+            shard = (v1 - v2) / (1 / lo - 1 / hi)
+            v = max(0.0, v1 - shard / lo + shard / tp)
         vals[name] = int(math.ceil(v)) if name in INT_FIELDS else v
     return vals
 
@@ -251,7 +283,7 @@ class Profile:
     optimizer: str              # sgd | momentum | adam | adamw
     batch_sizes: list[int]
     layers: list[LayerProfile]
-    loss: Sampled               # the loss function, as if it were one more layer without parameters
+    loss: LossProfile           # the loss function, as if it were one more layer without parameters
     batch: dict                 # per-sample bytes of inputs and targets: {"input_bytes": Fit-like, ...}
     seq_len: int | None = None
     tp_divides: list[int] = field(default_factory=list)   # numbers a tensor-parallel degree must divide (head counts)
@@ -282,6 +314,8 @@ class Profile:
             layer["tp_times"] = {str(b): t for b, t in layer["tp_times"].items()}
             layer["sp_samples"] = {str(b): s for b, s in layer["sp_samples"].items()}
         d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
+        d["loss"]["split_samples"] = {str(t): {str(b): s for b, s in samples.items()}
+                                      for t, samples in d["loss"]["split_samples"].items()}
         return d
 
     @classmethod
@@ -292,7 +326,10 @@ class Profile:
             if d.get("schema") != SCHEMA_VERSION:
                 raise ProfileError(f"{source} has schema {d.get('schema')!r} but this plan reads schema {SCHEMA_VERSION}; profile the model again with `plan profile`.")
             layers = [_layer_from_json(x) for x in d["layers"]]
-            loss = _sampled_from_json(Sampled(), d["loss"])
+            split = {int(t): _samples_from_json(samples) for t, samples in d["loss"]["split_samples"].items()}
+            if split and sorted(split) != [TP_MEASURED, TP_TIMED]:
+                raise ValueError(f"the loss's split_samples are at {sorted(split)} ranks, not {TP_MEASURED} and {TP_TIMED}")
+            loss = _sampled_from_json(LossProfile(split_samples=split), d["loss"])
             prof = cls(model=dict(d["model"]), torch_version=str(d["torch_version"]), device=str(d["device"]),
                        device_type=str(d["device_type"]), method=str(d["method"]), hardware=d.get("hardware"),
                        precision=str(d["precision"]), optimizer=str(d["optimizer"]),
@@ -368,6 +405,10 @@ def _sample_from_json(s: dict) -> LayerSample:
     return LayerSample(**s)
 
 
+def _samples_from_json(d: dict) -> dict[int, LayerSample]:
+    return {int(b): _sample_from_json(s) for b, s in d.items()}
+
+
 def _layer_from_json(d: dict) -> LayerProfile:
     layer = LayerProfile(
         index=d["index"], name=d["name"], kind=d["kind"], signature=d["signature"],
@@ -376,9 +417,9 @@ def _layer_from_json(d: dict) -> LayerProfile:
         tp_param_bytes=d["tp_param_bytes"], optimizer_step_s=float(d["optimizer_step_s"]),
         fsdp_overhead_s={str(k): float(v) for k, v in d["fsdp_overhead_s"].items()},
         params=[ParamInfo(**p) for p in d["params"]],
-        tp_samples={int(b): _sample_from_json(s) for b, s in d.get("tp_samples", {}).items()},
-        tp_times={int(b): [float(t[0]), float(t[1])] for b, t in d.get("tp_times", {}).items()},
-        sp_samples={int(b): _sample_from_json(s) for b, s in d.get("sp_samples", {}).items()},
+        tp_samples=_samples_from_json(d["tp_samples"]),
+        tp_times={int(b): [float(t[0]), float(t[1])] for b, t in d["tp_times"].items()},
+        sp_samples=_samples_from_json(d["sp_samples"]), vocab_head=bool(d["vocab_head"]),
     )
     return _sampled_from_json(layer, d)
 

@@ -11,6 +11,12 @@ replicated one, and each rowwise linear reduce-scatters its output instead of al
 Such a layer takes and returns this rank's slice of the sequence, (B, T/tp, C); where its
 neighbour is not sequence-parallel the slice is cut from (input) or gathered into (output)
 the full tensor at the layer's edge.
+
+A "vocab" head (the last layer's output linear) is column-parallel over the vocabulary and its
+logits leave the layer as a DTensor split along the last dim, (B, T, V/tp) on each rank: the
+loss takes them so, under `loss_parallel()` (forward and backward), which computes the
+cross-entropy with three small all-reduces (the max, the sum of exponentials, the target's
+logit) instead of gathering (B, T, V).
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from __future__ import annotations
 import contextlib
 
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 SEQUENCE = Shard(1)          # (B, T, C): the sequence dimension
@@ -55,13 +63,17 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
     sequence-parallel, its input arrives split, its output must be whole).
     """
     sp, input_split, output_whole = sequence or (False, False, False)
-    styles, gathered = {}, []
+    styles, gathered, waited = {}, [], []
     for name, style in matches.items():
         linear = isinstance(layer.get_submodule(name), nn.Linear)
         if style == "sequence":
             if sp:
                 styles[name] = SequenceParallel()
                 gathered.append(name)
+        elif style == "vocab":
+            # Fed a slice of the sequence (sequence parallelism), it gathers it like any colwise linear.
+            styles[name] = ColwiseParallel(input_layouts=SEQUENCE if sp else Replicate(), output_layouts=Shard(-1),
+                                           use_local_output=False)
         elif sp and style == "colwise" and linear:
             styles[name] = GatheringColwise()                               # all-gather the tokens in
         elif sp and style == "rowwise" and linear:
@@ -70,6 +82,7 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
             # An embedding split by rows (the vocabulary): it takes the token ids whole (torch's
             # default input layout, the last dim split, is a linear's and would gather the ids).
             styles[name] = RowwiseParallel(input_layouts=Replicate())
+            waited.append(name)
         elif style == "colwise" and not linear:
             # An embedding split by columns (its width): its output gathered whole, as the
             # layers after it take it (torch's default leaves it split along the width).
@@ -78,6 +91,10 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
             styles[name] = STYLES[style]()
     if styles:
         parallelize_module(layer, tp_mesh, styles)
+    for name in waited:
+        # Its all-reduced output is waited for at once: recomputed under checkpointing, where
+        # nothing reads it, the collective would stay registered, unwaited, one more each step.
+        layer.get_submodule(name).register_forward_hook(_wait_output)
     for name in gathered:
         # A norm's output is gathered once, as a replicated DTensor that the column-parallel
         # linears after it take as it is (q, k and v share one all-gather, and its backward is
@@ -97,10 +114,23 @@ def apply_tp(layer: nn.Module, matches: dict[str, str], tp_mesh: DeviceMesh,
         parallelize_module(layer, tp_mesh, PrepareModuleInput(**edge(Replicate(), SEQUENCE)))
     if not sp and input_split:
         parallelize_module(layer, tp_mesh, PrepareModuleInput(**edge(SEQUENCE, Replicate())))
-    if output_whole:
+    if output_whole and "vocab" not in matches.values():
         parallelize_module(layer, tp_mesh, PrepareModuleOutput(output_layouts=(SEQUENCE,), desired_output_layouts=(Replicate(),),
                                                                use_local_output=True))
     return layer
+
+
+def _wait_output(module, inputs, output) -> None:
+    if isinstance(output, AsyncCollectiveTensor):
+        output.wait()
+
+
+def loss_context(tp_plan: dict[str, str], tp: int):
+    """What the loss's forward and backward run under: loss_parallel when a "vocab" head hands
+    it split logits (tp > 1), else nothing."""
+    if tp > 1 and "vocab" in tp_plan.values():
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from planner.plan import Plan, Stage, load_plan
 from profiles.model_file import default_loss_fn, sequence_parallel_edges, tp_plan_matches
+from profiles.tensor_parallel import loss_context
 
 from .breakdown import optimizer_region
 from .launch import DEFAULT_TIMEOUT_S
@@ -108,6 +109,9 @@ class ParallelModel:
 
     def __init__(self, model: nn.Sequential, plan: Plan, loss_fn: Callable, mesh: DeviceMesh, tp_plan: dict[str, str]):
         self.plan, self.loss_fn, self.mesh = plan, loss_fn, mesh
+        # A "vocab" head hands the loss its logits split: the loss's forward and backward (the
+        # pipeline schedule's too) run under loss_parallel.
+        self.loss_context = lambda: loss_context(tp_plan, plan.tp)
         self.device = torch.device("cuda", torch.cuda.current_device()) if plan.device_type == "cuda" else torch.device("cpu")
         self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(d) for d in MESH_DIMS)
         stages = plan.stages_of_rank(self.pp_rank)
@@ -153,7 +157,8 @@ class ParallelModel:
         for the norm too: this rank's share is summed here (no communication) and
         `global_grad_norm()`, a collective, adds the shares after the step.
         Returns this rank's mean loss (None off the last stage)."""
-        loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
+        with self.loss_context():
+            loss = self._pipeline_step(inputs, targets) if self.schedule is not None else self._accumulation_step(inputs, targets)
         if self.plan.tp > 1:
             self._settle_grads()
         self.grad_norm, self._norm_share = None, None
@@ -176,7 +181,7 @@ class ParallelModel:
             rows = slice(k * b, (k + 1) * b)
             loss = self.loss_fn(model(inputs[rows]), targets[rows])
             (loss / m).backward()
-            losses.append(loss.detach())
+            losses.append(local(loss.detach()))   # (under loss_parallel a replicated DTensor)
         return torch.stack(losses).mean()
 
     def _pipeline_step(self, inputs, targets) -> torch.Tensor | None:
@@ -185,7 +190,7 @@ class ParallelModel:
         kwargs = {"target": targets, "losses": losses} if self.has_last_stage else {}
         # return_outputs=False: the last stage would otherwise keep and concatenate every micro-batch's output.
         self.schedule.step(*args, return_outputs=False, **kwargs)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.has_last_stage else None
+        return torch.stack([local(loss.detach()) for loss in losses]).mean() if self.has_last_stage else None
 
     def _settle_grads(self) -> None:
         """Give every TP gradient its parameter's layout. Some come out of backward in another:

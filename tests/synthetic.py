@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
-from profiles.schema import LayerProfile, LayerSample, ParamInfo, Profile, Sampled
+from profiles.schema import LayerProfile, LayerSample, LossProfile, ParamInfo, Profile
 
 
 def _sample(rng: random.Random, b: int, base: dict, in_bytes: int, out_bytes: int) -> LayerSample:
@@ -77,7 +77,7 @@ def random_profile(rng: random.Random, n_layers: int, repeat_runs: bool = True, 
             lp.tp_param_bytes = layers[-run].tp_param_bytes
             lp.samples = {b: _sample(rng, b, base, width * b, width * b) for b in batch_sizes}
             lp.refit()
-    loss = Sampled(samples={b: LayerSample(input_bytes=width * b, output_bytes=4, saved_bytes=width * b,
+    loss = LossProfile(samples={b: LayerSample(input_bytes=width * b, output_bytes=4, saved_bytes=width * b,
                                            fwd_transient_bytes=width * b, bwd_peak_bytes=width * b,
                                            bwd_accum_peak_bytes=width * b, fwd_s=1e-5 * b, bwd_s=1e-5 * b)
                             for b in batch_sizes})
@@ -124,4 +124,16 @@ def add_tensor_parallel_samples(rng: random.Random, prof: Profile) -> Profile:
         lp.params = [ParamInfo(p.name, p.shape, 0) for p in lp.params]   # every layer splits
         lp.tp_param_bytes = lp.param_bytes
         lp.refit()
+    # The head splits the vocabulary: the loss takes 1/t of its logits, all-reduces three scalars a token.
+    prof.layers[-1].vocab_head = True
+    for t in (2, 4):
+        prof.loss.split_samples[t] = {}
+        for b, s in prof.loss.samples.items():
+            q = copy.copy(s)
+            q.input_bytes, q.saved_bytes, q.fwd_transient_bytes = s.input_bytes // t, s.saved_bytes // t, s.fwd_transient_bytes // t
+            q.bwd_peak_bytes, q.bwd_accum_peak_bytes = s.bwd_peak_bytes // t, s.bwd_accum_peak_bytes // t
+            q.fwd_s, q.bwd_s = s.fwd_s / t, s.bwd_s / t
+            q.tp_fwd_comm_bytes, q.tp_fwd_comm_count = 12 * b, 3
+            prof.loss.split_samples[t][b] = q
+    prof.loss.refit()
     return prof

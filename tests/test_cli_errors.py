@@ -61,6 +61,13 @@ BAD_MODEL_FILES = {
                                          ["runs sequence-parallel", "parameter out.weight belongs to no module", "name its module"]),
     "tp_plan_sequence_on_a_block": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(8, 4))))\n"
                                     "tp_plan = {'0': 'sequence'}\n", ["sequence-parallel", "with submodules", "such as norms"]),
+    "tp_plan_vocab_not_the_head": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 4)))\n"
+                                   "tp_plan = {'0': 'vocab'}\n", ["makes 0 of layer 0 (Sequential) \"vocab\"", "applies to the output head only"]),
+    "tp_plan_two_vocab_heads": (GOOD_HEAD + "class H(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                                "        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)\n"
+                                "    def forward(self, x):\n        return self.a(x) + self.b(x)\n"
+                                "def build_model():\n    return nn.Sequential(H())\ntp_plan = {'a': 'vocab', 'b': 'vocab'}\n",
+                                ["makes both a and b of layer 0 (H) \"vocab\"", "name only the output head"]),
     "tp_divides_not_a_list": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\ntp_divides = 'x'\n",
                               ["tp_divides in model file", "list of positive integers"]),
     "loss_not_scalar": (GOOD_HEAD + "def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"
@@ -94,14 +101,24 @@ def test_bad_model_file(case, tmp_path):
     assert not out.exists()
 
 
-def test_fake_profile_of_a_split_embedding_is_refused(tmp_path):
-    """Measured under FakeTensorMode, an nn.Embedding split by the tp_plan crashes torch 2.13
-    (a segmentation fault): --fake refuses it in one sentence instead."""
+def test_a_loss_that_cannot_take_split_logits(tmp_path):
+    """A "vocab" head hands the loss its logits split by vocabulary; a loss that mixes them with
+    a whole tensor (here gather with the targets) fails under loss_parallel: one sentence."""
     from pathlib import Path
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    model = tmp_path / "gathering_loss.py"
+    model.write_text(textwrap.dedent(f"""\
+        import sys
+        sys.path.insert(0, {str(examples)!r})
+        import gpt
+        build_model, make_batch, tp_divides, tp_plan = gpt.build_model, gpt.make_batch, gpt.tp_divides, gpt.tp_plan
+        def loss_fn(logits, targets):
+            return -logits.log_softmax(-1).gather(-1, targets[..., None]).mean()
+        """))
     out = tmp_path / "profile.json"
-    model = Path(__file__).resolve().parent / "vocab_gpt.py"
-    result = run(["profile", str(model), "--fake", "-o", str(out)], tmp_path)
-    assert_one_sentence_error(result, ["splits the embedding tok of layer 0", "profile without --fake"])
+    result = run(["profile", str(model), "--fake", "-o", str(out), "--batch-sizes", "1"], tmp_path)
+    assert_one_sentence_error(result, ["cannot take the logits of its \"vocab\" head split by vocabulary",
+                                       "F.cross_entropy", "take the head out of the tp_plan"])
     assert not out.exists()
 
 

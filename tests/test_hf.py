@@ -112,7 +112,8 @@ def test_tp_plan_comes_from_the_config():
     spec = hf.load_hf_spec("llama-3-8b")
     assert spec.tp_plan == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                            "mlp.down_proj": "rowwise", "input_layernorm": "sequence", "post_attention_layernorm": "sequence"}
+                            "mlp.down_proj": "rowwise", "input_layernorm": "sequence", "post_attention_layernorm": "sequence",
+                            "embed_tokens": "rowwise", "lm_head": "vocab"}
     assert spec.seq_len == 4096 and spec.source == "hf-config" and spec.name == "llama-3-8b"
     assert hf.load_hf_spec("gpt2").tp_plan == {} and hf.load_hf_spec("gpt2").seq_len == 1024
 
@@ -135,7 +136,9 @@ def test_real_profile_flops_match_flop_counter(family, config_dir):
         spec.loss_fn(model(ids).logits, targets).backward()
     assert profiled == counter.get_total_flops() > 0
     if spec.tp_plan:
-        assert all(layer.tp_samples for layer in prof.layers[1:-1]) and not prof.layers[0].tp_samples
+        # Every layer splits under TP: the decoder layers, and the embedding and head by vocabulary.
+        assert all(layer.tp_samples for layer in prof.layers) and prof.layers[-1].vocab_head
+        assert sorted(prof.loss.split_samples) == [2, 4]
 
 
 def test_seq_len_changes_the_profile_and_the_model_reference(config_dir):

@@ -136,6 +136,49 @@ def test_fake_and_real_profiles_agree(example_profiles, name):
     for b in real.batch_sizes:
         a, c = asdict(real.loss.samples[b]), asdict(fake.loss.samples[b])
         assert {k: v for k, v in a.items() if not k.endswith("_s")} == {k: v for k, v in c.items() if not k.endswith("_s")}
+    assert sorted(real.loss.split_samples) == sorted(fake.loss.split_samples)
+    for t, samples in real.loss.split_samples.items():
+        for b, s in samples.items():
+            a, c = asdict(s), asdict(fake.loss.split_samples[t][b])
+            assert all(abs(a[k] - c[k]) <= 4096 for k in a if not k.endswith("_s")), (t, b, a, c)
+
+
+def test_vocab_head_splits_the_logits_and_the_loss(example_profiles):
+    """examples/gpt.py's head is "vocab": under TP its logits are 1/t of the vocabulary and the
+    loss (loss_parallel) takes them so, at every degree; the loss all-reduces three floats a token
+    (the max, the sum of exponentials, the target's logit) forward and nothing backward."""
+    prof = example_profiles["gpt"]["real"]
+    head, b = prof.layers[-1], 2
+    tokens = b * 64
+    assert head.vocab_head and sorted(prof.loss.split_samples) == [2, 4]
+    logits = head.at(b).output_bytes
+    assert logits == tokens * 512 * 4
+    for t in (2, 4, 8):
+        assert head.at_tp(b, t).output_bytes == logits // t
+        assert head.at_tp(b, t).fwd_flops == head.at(b).fwd_flops // t
+        loss = prof.loss.at_tp(b, t)
+        assert loss.input_bytes == logits // t
+        assert (loss.tp_fwd_comm_count, loss.tp_fwd_comm_bytes, loss.tp_bwd_comm_count) == (3, 3 * tokens * 4, 0)
+    # What the loss keeps for backward shrinks with the logits (the plain loss keeps its log-softmax).
+    kept = [prof.loss.at_tp(b, t).saved_bytes for t in (1, 2, 4, 8)]
+    assert kept[0] > kept[1] > kept[2] > kept[3] > 0
+    assert prof.loss.at_tp(b, 4).saved_bytes == prof.loss.split_samples[4][b].saved_bytes
+
+
+def test_fake_profile_of_a_vocabulary_split_embedding(tmp_path):
+    """tests/vocab_gpt.py splits its token embedding by rows. Measured under FakeTensorMode this
+    crashed torch 2.13 (a deep copy of a layer copied the fake mode's constant table, whose weak
+    references were then freed twice); each copy now shares the mode. The split embedding's
+    output is all-reduced once forward, its weight halved."""
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+    prof = profile_model(load_model_file(str(Path(__file__).resolve().parent / "vocab_gpt.py")),
+                         ProfileOptions(precision="bf16", fake=True, batch_sizes=(1, 2)))
+    emb = prof.layers[0]
+    assert [p.tp_dim for p in emb.params] == [0, None]          # tok split by rows, pos replicated
+    for b in (1, 2):
+        two = emb.tp_samples[b]
+        assert (two.tp_fwd_comm_count, two.tp_fwd_comm_bytes) == (1, emb.samples[b].output_bytes)
 
 
 def test_tensor_parallel_samples_shard_what_the_plan_splits(example_profiles):
