@@ -160,7 +160,7 @@ def plan_table(plan, wide: bool) -> Group:
     cols = ["stage", "layers", "ckpt", "offload", "weights", "grads", "optim", "activ", "buffers", "peak"] \
         + (["peak during"] if wide else [])
     v = plan.virtual_stages
-    interleaved = (f", interleaved: {v} stages a rank (stage s on pp rank s mod {plan.pp}; memory is the rank's)"
+    interleaved = (f", {plan.schedule.replace('_', ' ')}: {v} stages a rank (stage s on pp rank s mod {plan.pp}; memory is the rank's)"
                    if v > 1 else "")
     title = (f"plan: dp {plan.dp} x tp {plan.tp}{' (sequence-parallel)' if plan.sequence_parallel else ''} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
               f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch}{interleaved} "

@@ -4,8 +4,8 @@ For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama (examples/h
 embedding and head split by vocabulary under TP), profiles the model on this CPU, builds a matrix of
 plans with the cost model (one process at micro-batch 1, 2 and 4; checkpointing some and all
 layers; selective checkpointing alone, beside full, under ZeRO 3, tp2 and pp2; offload; ZeRO 0-3;
-dp2; tp2; pp2 with 1F1B, GPipe and interleaved 1F1B (two stages a rank); dp2 x tp2; pp2 x dp2,
-also interleaved; mixed precision), runs each with the runtime under torchrun (CPU processes, gloo), and prints per
+dp2; tp2; pp2 with 1F1B, GPipe, interleaved 1F1B and looped BFS (two stages a rank); dp2 x tp2;
+pp2 x dp2, also interleaved and looped BFS; sequence parallelism; mixed precision), runs each with the runtime under torchrun (CPU processes, gloo), and prints per
 stage the predicted and measured peak memory and the error, plus predicted and measured step
 time (only indicative on CPU processes sharing two cores).
 
@@ -80,6 +80,8 @@ CASES = [
     Case("pp2 interleaved v2", pp=2, v=2, m=4, schedule="interleaved"),
     Case("pp2 x dp2 interleaved v2", pp=2, dp=2, v=2, m=4, zero=3, schedule="interleaved"),
     Case("selective pp2 interleaved v2", pp=2, v=2, m=4, schedule="interleaved", checkpoint="selective"),
+    Case("pp2 looped bfs v2", pp=2, v=2, m=4, schedule="looped_bfs"),
+    Case("pp2 x dp2 looped bfs v2", pp=2, dp=2, v=2, m=2, zero=3, schedule="looped_bfs", checkpoint="some"),
     Case("dp2 x tp2", dp=2, tp=2, zero=3),
     Case("tp2 sp", tp=2, sp=True),
     Case("selective tp2 sp", tp=2, checkpoint="selective", sp=True),

@@ -3,7 +3,7 @@
 For examples/gpt.py, examples/mlp.py and the tiny Hugging Face Llama, profiles the model on
 this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-process
 layouts (dp with ZeRO 0-3, accumulation, checkpointing (full and selective), offload, tp, pp with 1F1B and GPipe,
-dp x tp, pp x dp (also interleaved, two stages a rank), pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
+dp x tp, pp x dp (also interleaved and looped BFS, two stages a rank), pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
 under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
 (each run's figure: the median over ranks of their median of 7 timed steps) and their spread
 (the noise band), the error, and the measured time by component of the slowest rank's
@@ -60,6 +60,7 @@ GRID = [
     Case("tp4", tp=4, b=16),
     Case("pp2 x dp2 1f1b", pp=2, dp=2, b=2, m=4),
     Case("pp2 x dp2 interleaved v2", pp=2, dp=2, b=2, m=4, v=2, schedule="interleaved"),
+    Case("pp2 x dp2 looped bfs v2", pp=2, dp=2, b=2, m=4, v=2, schedule="looped_bfs"),
     Case("pp4 1f1b", pp=4, b=4, m=4),
     Case("pp4 gpipe", pp=4, b=4, m=4, schedule="gpipe"),
     Case("pp2 x tp2 1f1b", pp=2, tp=2, b=4, m=4),

@@ -57,10 +57,10 @@ class Candidate:
     micro_batch_size: int
     num_micro_batches: int
     zero: int            # 0..3; with dp == 1 only 0 (no one to shard with) unless offloading
-    schedule: str        # "1f1b" | "gpipe" | "interleaved"; "1f1b" when pp == 1
+    schedule: str        # "1f1b" | "gpipe" | "interleaved" | "looped_bfs"; "1f1b" when pp == 1
     fsdp: bool           # every layer an FSDP2 unit (False: the plain path, no wrapper)
     allow_offload: bool  # the per-layer offload choice is open (needs fsdp)
-    virtual_stages: int = 1   # stages per pp rank (v): more than 1 only with the interleaved schedule
+    virtual_stages: int = 1   # stages per pp rank (v): more than 1 only with a multi-stage schedule
     sequence_parallel: bool = False   # activations outside the TP regions split along the sequence (tp > 1)
 
     @property
@@ -445,8 +445,8 @@ class CostModel:
         place); each in-flight micro-batch's stage output, until its backward. Schedule1F1B and
         ScheduleGPipe also hold, while the next forward runs, the input gradient the last
         backward produced (until its send completes) and, on the last stage, the previous
-        micro-batch's output (the schedule's loop variable still holds it); the interleaved
-        schedule instead holds every send (stage output and input gradient) to the step's end
+        micro-batch's output (the schedule's loop variable still holds it); the multi-stage
+        schedules instead hold every send (stage output and input gradient) to the step's end
         (memory.holds_sends).
         """
         m = cand.num_micro_batches
@@ -536,11 +536,13 @@ class CostModel:
         GPipe, an upper estimate for 1F1B, which can overlap the slowest stage's backwards
         with later stages' work (docs/cost-model.md gives the simulated error).
 
-        With v stages a rank (interleaved), a rank's time per micro-batch is its v stages'
-        together, and filling and draining the pipeline passes each rank once per chunk, 1/v
-        of its time: m x the slowest rank + (stages_total - slowest) / v, which for v = 1 is
-        the above and with equal stages gives Narayanan et al.'s (SC 2021) bubble of
-        (pp - 1) / (v m) of the ideal. Numbers or the MILP's affine expressions."""
+        With v stages a rank (interleaved 1F1B, looped BFS), a rank's time per micro-batch is
+        its v stages' together, and filling and draining the pipeline passes each rank once
+        per chunk, 1/v of its time: m x the slowest rank + (stages_total - slowest) / v, which
+        for v = 1 is the above and with equal stages gives Narayanan et al.'s (SC 2021) bubble
+        of (pp - 1) / (v m) of the ideal, for looped BFS too when m >= pp (Lamy-Poirier 2023;
+        both simulated action by action in tests/test_step_time.py). Numbers or the MILP's
+        affine expressions."""
         return stages_total * (1 / v) + (m - 1 / v) * slowest + fullest_once
 
     def boundary_bytes(self, cand: Candidate, first: int, last: int) -> int:

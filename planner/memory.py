@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
+from .plan import MULTI_STAGE_SCHEDULES
+
 
 @dataclass
 class LayerMemory:
@@ -81,7 +83,7 @@ class StageMemory:
 
 def schedule_actions(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """The (F|B, chunk, micro-batch) order one pipeline rank runs in one step; `chunk` is the
-    local stage (0..v-1: stages rank, rank + pp, ...; 0 unless interleaved).
+    local stage (0..v-1: stages rank, rank + pp, ...; 0 unless the schedule runs several).
 
     pp == 1 is gradient accumulation: F0 B0 F1 B1 ... GPipe runs all forwards, then all
     backwards. 1F1B (torch.distributed.pipelining's Schedule1F1B) runs min(m, pp - stage)
@@ -89,9 +91,14 @@ def schedule_actions(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> l
     Interleaved 1F1B (ScheduleInterleaved1F1B, v chunks a rank) is torch's order, rounds of
     m // pp micro-batches: a warm-up of forwards, chunk by chunk and round by round, then one
     forward and one backward (later chunks' backwards first), then the remaining backwards.
+    Looped BFS (ScheduleLoopedBFS, v chunks a rank, Lamy-Poirier 2023) runs every micro-batch's
+    forward chunk by chunk, then every backward, last chunk first, last micro-batch first.
     """
     if schedule == "interleaved":
         return _interleaved_actions(pp, v, rank, m)
+    if schedule == "looped_bfs":
+        return ([("F", c, k) for c in range(v) for k in range(m)]
+                + [("B", c, k) for c in reversed(range(v)) for k in reversed(range(m))])
     if pp == 1:
         return [a for k in range(m) for a in (("F", 0, k), ("B", 0, k))]
     if schedule == "gpipe":
@@ -184,10 +191,10 @@ def moments(actions: list[tuple[str, int, int]], v: int, count_done: bool = Fals
 
 def holds_sends(schedule: str) -> bool:
     """Whether the schedule keeps every send's tensor until the step's end: torch's
-    _PipelineScheduleRuntime (the interleaved schedule) waits on its sends only then, so each
+    _PipelineScheduleRuntime (the multi-stage schedules) waits on its sends only then, so each
     finished micro-batch's stage output and input gradient stay; Schedule1F1B and
     ScheduleGPipe wait on each send at once."""
-    return schedule == "interleaved"
+    return schedule in MULTI_STAGE_SCHEDULES
 
 
 def peak_moments(actions: list[tuple[str, int, int]], v: int, count_done: bool = False) -> list[Moment]:

@@ -20,7 +20,7 @@ at the segment's first or last layer; the MILP constrains exactly those records,
 by whether the segment has one (or two) layers. A tensor two neighbouring layers keep is
 counted once: `kp` says whether the layer before a segment keeps its output.
 
-Under the interleaved schedule a pp rank runs v stages: its memory rows add the rank's other
+Under a multi-stage schedule (interleaved 1F1B, looped BFS) a pp rank runs v stages: its memory rows add the rank's other
 stages at each moment the walk can peak (memory.peak_moments).
 
 Time: every rank's time per micro-batch (its stages' together) is at most `tau`; the step is
@@ -244,7 +244,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         recv_buffers = m * ((stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)) if S > 1 else 0
         after_backward = ((stage_in[s] if s > 0 else 0) + (stage_out[s] if last_stage else 0)) if S > 1 else 0
         sent = 0
-        if sends_held:                  # the interleaved schedule holds every send instead
+        if sends_held:                  # the multi-stage schedules hold every send instead
             after_backward, sent = 0, (stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)
 
         # What each segment keeps for backward in one micro-batch, and its prefix sums.

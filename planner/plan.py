@@ -15,7 +15,10 @@ from pathlib import Path
 from profiles.schema import OPTIMIZERS, PRECISIONS, read_json_document, write_json_atomic
 
 PLAN_SCHEMA_VERSION = 3   # 3: a layer's checkpoint is a mode (CHECKPOINT_MODES), not true / false
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped_bfs")
+# The schedules that run several stages a pp rank, stage k on rank k % pp (torch's
+# ScheduleInterleaved1F1B and ScheduleLoopedBFS).
+MULTI_STAGE_SCHEDULES = ("interleaved", "looped_bfs")
 # How much of a layer's forward its backward runs again (profiles/checkpointing.py applies them):
 #   none       nothing: autograd keeps what the layer's ops save
 #   selective  keeps its input and the outputs of its compute-heavy ops (matmuls, attention,
@@ -84,7 +87,7 @@ class LayerChoice:
 
 @dataclass
 class Stage:
-    index: int                 # pipeline stage; with the interleaved schedule, stage k runs on pp rank k % pp
+    index: int                 # pipeline stage; with a multi-stage schedule, stage k runs on pp rank k % pp
     layers: list[LayerChoice]
 
 
@@ -174,7 +177,7 @@ class Plan:
     tp: int
     pp: int
     zero: int                  # 0: replicate; 1: optimizer states sharded; 2: + gradients; 3: + parameters
-    schedule: str              # 1f1b | gpipe | interleaved (pipeline schedule; "1f1b" when pp == 1)
+    schedule: str              # 1f1b | gpipe | interleaved | looped_bfs (pipeline schedule; "1f1b" when pp == 1)
     micro_batch_size: int      # samples per micro-batch on one dp rank
     num_micro_batches: int     # micro-batches per step on one dp rank (pipeline micro-batches or accumulation)
     global_batch: int          # = micro_batch_size * num_micro_batches * dp
@@ -223,7 +226,7 @@ class Plan:
 
     @property
     def virtual_stages(self) -> int:
-        """Pipeline stages per pp rank (more than 1 only for the interleaved schedule)."""
+        """Pipeline stages per pp rank (more than 1 only for MULTI_STAGE_SCHEDULES)."""
         return len(self.stages) // self.pp
 
     def stages_of_rank(self, pp_rank: int) -> list[Stage]:

@@ -20,7 +20,7 @@ from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .memory import interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
-from .plan import CHECKPOINT_MODES, SCHEDULES, tp_within_nodes, wraps_layers
+from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, tp_within_nodes, wraps_layers
 
 
 class SolveError(Exception):
@@ -42,7 +42,7 @@ class SolveOptions:
     micro_batch: int | None = None
     zero: int | None = None
     schedule: str | None = None
-    virtual_stages: int | None = None         # stages per pp rank under the interleaved schedule (pins it)
+    virtual_stages: int | None = None         # stages per pp rank under a multi-stage schedule (pins it)
     checkpoint: str = "auto"                 # none | selective | all | auto (milp.CHECKPOINT_FLAGS)
     sequence_parallel: str = "auto"          # on | off | auto: under tp > 1, where the model's tp_plan offers it
     offload: str = "auto"                    # none | auto
@@ -125,12 +125,13 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--zero {opts.zero} is not a ZeRO stage; use 0, 1, 2 or 3.")
     if opts.schedule is not None and opts.schedule not in SCHEDULES:
         raise SolveError(f"--schedule {opts.schedule} is not one the planner lays out; use {', '.join(SCHEDULES)}.")
+    multi_stage = opts.schedule if opts.schedule in MULTI_STAGE_SCHEDULES else "interleaved"   # --virtual-stages alone: interleaved
     if opts.virtual_stages is not None:
-        if opts.schedule not in (None, "interleaved"):
-            raise SolveError(f"--virtual-stages applies to the interleaved schedule, not {opts.schedule}; "
+        if opts.schedule not in (None, *MULTI_STAGE_SCHEDULES):
+            raise SolveError(f"--virtual-stages applies to the interleaved and looped_bfs schedules, not {opts.schedule}; "
                              "use --schedule interleaved or drop --virtual-stages.")
         if opts.virtual_stages < 2:
-            raise SolveError(f"--virtual-stages is {opts.virtual_stages}; the interleaved schedule runs 2 or more stages a rank.")
+            raise SolveError(f"--virtual-stages is {opts.virtual_stages}; the {multi_stage} schedule runs 2 or more stages a rank.")
         if opts.pp and opts.pp * opts.virtual_stages > profile.n_layers:
             raise SolveError(f"--pp {opts.pp} x --virtual-stages {opts.virtual_stages} is more stages than the model's "
                              f"{profile.n_layers} layers; use fewer.")
@@ -138,8 +139,8 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
             raise SolveError(f"--virtual-stages {opts.virtual_stages} needs {2 * opts.virtual_stages} layers for the "
                              f"fewest pipeline ranks (2) and the model has {profile.n_layers}; use --virtual-stages "
                              f"{profile.n_layers // 2} or fewer.")
-    if (opts.schedule == "interleaved" or opts.virtual_stages) and opts.pp == 1:
-        raise SolveError("the interleaved schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
+    if (opts.schedule in MULTI_STAGE_SCHEDULES or opts.virtual_stages) and opts.pp == 1:
+        raise SolveError(f"the {multi_stage} schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
     if opts.checkpoint not in CHECKPOINT_FLAGS:
         raise SolveError(f"--checkpoint {opts.checkpoint} is not one of {', '.join(CHECKPOINT_FLAGS)}.")
     if opts.sequence_parallel not in ("on", "off", "auto"):
@@ -202,29 +203,34 @@ def sequence_parallel_modes(profile: Profile, opts: SolveOptions, tp: int):
         yield True
 
 
-FREE_VIRTUAL_STAGES = (2,)   # v the search tries under --schedule interleaved when --virtual-stages is free
+FREE_VIRTUAL_STAGES = (2,)   # v the search tries under a multi-stage --schedule when --virtual-stages is free
 
 
 def pipeline_schedules(profile: Profile, opts: SolveOptions, pp: int, m: int):
-    """(schedule, stages per rank) the runtime can run for pp ranks and m micro-batches: 1F1B
-    and interleaved 1F1B need m >= pp, and torch's interleaved schedule m a multiple of its
-    rounds (m // pp of them; runtime/pipeline.schedule_problem); each stage needs a layer.
+    """(schedule, stages per rank) the runtime can run for pp ranks and m micro-batches: 1F1B,
+    interleaved 1F1B and looped BFS need m >= pp (looped BFS: below it the step is longer than
+    pipeline_step_s says, tests/test_step_time.py), and torch's interleaved schedule m a
+    multiple of its rounds (m // pp of them; runtime/pipeline.schedule_problem); each stage
+    needs a layer.
 
-    The interleaved schedule only when asked for (--schedule interleaved, --virtual-stages):
-    its memory MILPs couple a rank's stages and take 4-70x longer than 1F1B's, and a free
-    search with it open went from 1.4 s to 61 s (80 layers on 64 GPUs; docs/cost-model.md)."""
+    The multi-stage schedules only when asked for (--schedule interleaved | looped_bfs,
+    --virtual-stages): their memory MILPs couple a rank's stages and take 4-70x longer than
+    1F1B's, and a free search with interleaved open went from 1.4 s to 61 s (80 layers on 64
+    GPUs; docs/cost-model.md). Looped BFS has interleaved 1F1B's step and holds every
+    micro-batch of every chunk at once: a free search would never prefer it."""
+    multi = opts.schedule in MULTI_STAGE_SCHEDULES or opts.virtual_stages
     if pp == 1:
-        if not (opts.schedule == "interleaved" or opts.virtual_stages):
+        if not multi:
             yield "1f1b", 1
         return
     pinned = opts.schedule or ("interleaved" if opts.virtual_stages else None)
     for schedule in SCHEDULES:
-        if (pinned and schedule != pinned) or (schedule != "gpipe" and m < pp) or (schedule == "interleaved" and not pinned):
+        if (pinned and schedule != pinned) or (schedule != "gpipe" and m < pp) or (schedule in MULTI_STAGE_SCHEDULES and not pinned):
             continue
-        if schedule != "interleaved":
+        if schedule not in MULTI_STAGE_SCHEDULES:
             yield schedule, 1
             continue
-        if m % interleaved_rounds(pp, m):
+        if schedule == "interleaved" and m % interleaved_rounds(pp, m):
             continue
         for v in ([opts.virtual_stages] if opts.virtual_stages else FREE_VIRTUAL_STAGES):
             if pp * v <= profile.n_layers:

@@ -281,7 +281,9 @@ def apply_plan(model: nn.Sequential, plan: Plan | str, loss_fn: Callable | None 
     device gets each rank's shards allocated uninitialised: load its weights next.
 
     loss_fn(output, targets) defaults to cross-entropy; tp_plan (submodule globs -> "colwise" /
-    "rowwise" / "sequence") is the model file's, needed when plan.tp > 1. The default process group must
+    "rowwise" / "sequence" / "vocab") is the model file's, needed when plan.tp > 1. With a
+    "vocab" head and tp > 1 the output is a DTensor of logits split by vocabulary and loss_fn
+    runs inside torch's loss_parallel() (train_step sees to it). The default process group must
     exist (init_distributed); the device mesh is built from the plan unless given.
     """
     plan = load_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan

@@ -7,12 +7,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleLoopedBFS)
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from planner.memory import interleaved_rounds
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+MULTI_STAGE_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
 
 
 def schedule_problem(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> str | None:
@@ -35,8 +37,8 @@ def build_pipeline_schedule(stage_modules: list[tuple[int, nn.Module]], n_stages
     (a mean) on the last stage and divides the gradients by n_microbatches after backward.
     """
     stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in stage_modules]
-    if schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn), stages
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return MULTI_STAGE_SCHEDULES[schedule](stages, n_microbatches, loss_fn=loss_fn), stages
     return SINGLE_STAGE_SCHEDULES[schedule](stages[0], n_microbatches, loss_fn=loss_fn), stages
 
 

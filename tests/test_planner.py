@@ -156,6 +156,22 @@ def test_sequence_parallel_flag_pins_or_frees_it():
         check_options(random_profile(rng, 4), SolveOptions(gpus=4, hardware=cpu_like(1 << 40), sequence_parallel="on"))
 
 
+def test_multi_stage_schedules_only_when_pinned():
+    """A free search lays out one stage a rank; --schedule looped_bfs (or interleaved) pins it,
+    with v = 2 unless --virtual-stages says otherwise and m >= pp micro-batches; --virtual-stages
+    alone means interleaved."""
+    rng = random.Random(11)
+    prof = random_profile(rng, 8)
+    def cands(**kw):
+        return list(enumerate_candidates(prof, SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=16, **kw)))
+    assert {(c.schedule, c.virtual_stages) for c in cands() if c.pp > 1} == {("1f1b", 1), ("gpipe", 1)}
+    looped = cands(schedule="looped_bfs")
+    assert looped and all(c.pp > 1 and c.schedule == "looped_bfs" and c.virtual_stages == 2
+                          and c.num_micro_batches >= c.pp for c in looped)
+    assert {c.virtual_stages for c in cands(schedule="looped_bfs", virtual_stages=3)} == {3}
+    assert {c.schedule for c in cands(virtual_stages=2)} == {"interleaved"}
+
+
 def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_frugal: bool = False) -> int:
     """The MILP's layout of each candidate is brute force's, under a limit between the
     smallest and the largest need (`above_frugal`: at least what the most frugal even split
@@ -186,21 +202,24 @@ def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_
     return checked
 
 
-@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(500, 512)] + [(k, 2**17) for k in range(520, 524)])
-def test_milp_equals_brute_force_interleaved(seed, byte_scale):
-    """The interleaved schedule with every per-layer choice open (none / selective / full,
-    offload on the smaller models): v = 2 or 3 stages a rank, whose memory rows sum a rank's
-    stages at the moments torch's order gives (with the sends it holds), FSDP2 units under
-    pipelining where dp is 2, and the (p - 1) / v bubble in the objective."""
+@pytest.mark.parametrize("seed, byte_scale, schedule", [(k, 1, "interleaved") for k in range(500, 512)]
+                         + [(k, 2**17, "interleaved") for k in range(520, 524)]
+                         + [(k, 1, "looped_bfs") for k in range(530, 536)] + [(k, 2**17, "looped_bfs") for k in range(536, 538)])
+def test_milp_equals_brute_force_interleaved(seed, byte_scale, schedule):
+    """The multi-stage schedules (interleaved 1F1B, looped BFS) with every per-layer choice open
+    (none / selective / full, offload on the smaller models): v = 2 or 3 stages a rank, whose
+    memory rows sum a rank's stages at the moments torch's order gives (with the sends it
+    holds), FSDP2 units under pipelining where dp is 2, and the (p - 1) / v bubble in the
+    objective."""
     rng = random.Random(seed)
     n = rng.randint(4, 6)
     v = 3 if n == 6 and rng.random() < 0.5 else 2
     gpus = rng.choice([2, 4])
     prof = random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale)
     opts = SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40), global_batch=gpus * 4, pp=2, virtual_stages=v,
-                        offload="auto" if n <= 5 else "none")
+                        offload="auto" if n <= 5 else "none", schedule=schedule)
     cands = list(enumerate_candidates(prof, opts))
-    assert cands and all(c.schedule == "interleaved" and c.virtual_stages == v for c in cands)
+    assert cands and all(c.schedule == schedule and c.virtual_stages == v for c in cands)
     rng.shuffle(cands)
     assert check_against_brute_force(rng, prof, cands[:2], None, "highs", opts.offload, above_frugal=True)
 

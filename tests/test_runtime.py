@@ -70,6 +70,7 @@ CASES = {
     "pp2_1f1b": make_plan(pp=2, m=2, optimizer=MOMENTUM),
     "pp2_gpipe": make_plan(pp=2, m=2, schedule="gpipe", optimizer=SGD),
     "pp2_interleaved": make_plan(pp=2, virtual=2, m=4, schedule="interleaved", optimizer=MOMENTUM),
+    "pp2_looped_bfs": make_plan(pp=2, virtual=2, m=3, schedule="looped_bfs", checkpoint={2}, optimizer=MOMENTUM),
     "zero1": make_plan(MLP, dp=2, zero=1, optimizer=MOMENTUM),
     "zero1_adam": make_plan(MLP, dp=2, zero=1, optimizer=ADAM),
     "zero2": make_plan(dp=2, zero=2, optimizer=MOMENTUM),
@@ -96,6 +97,8 @@ CASES = {
     "dp2_tp2_sp_selective_zero3": make_plan(dp=2, tp=2, zero=3, m=2, sp=True, selective={1, 2, 3}, optimizer=MOMENTUM),
     "pp2_dp2_interleaved": make_plan(pp=2, dp=2, zero=3, virtual=2, m=4, schedule="interleaved", selective={1, 2},
                                      optimizer=MOMENTUM),
+    "pp2_dp2_looped_bfs": make_plan(pp=2, dp=2, zero=2, virtual=2, m=2, schedule="looped_bfs", selective={3},
+                                    optimizer=MOMENTUM),
     # gradient clipping by the global norm, with a warm-up and cosine schedule (CONFIGS)
     "clip_offload_zero2": make_plan(dp=2, zero=2, offload={1}, optimizer=MOMENTUM),
     "clip_dp2_tp2": make_plan(dp=2, tp=2, zero=3, m=2, optimizer=MOMENTUM),

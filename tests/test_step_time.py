@@ -246,10 +246,20 @@ def test_pipeline_step_matches_a_simulation_of_the_schedule():
     assert sorted(over_1f1b)[len(over_1f1b) // 2] < 0.05 < sorted(over_old)[len(over_old) // 2]
 
 
+def torch_rank_order(schedule_class, schedule, rank: int) -> list[tuple[str, int, int]]:
+    """The (F|B, chunk, micro-batch) order torch's multi-stage schedule class computes for one
+    rank (its own method on a stand-in `schedule`), idle slots dropped."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+    ops = schedule_class._calculate_single_rank_operations(schedule, rank)
+    pp = schedule.pp_group_size
+    return [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // pp, a.microbatch_index)
+            for a in ops if a is not None]
+
+
 def test_interleaved_order_is_torchs():
     """memory.schedule_actions' interleaved order is the one torch's ScheduleInterleaved1F1B
     computes for each rank (its own method, idle slots dropped). Uses torch."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
     from planner.memory import schedule_actions
     for pp in (2, 3, 4):
         for v in (2, 3, 4):
@@ -260,23 +270,45 @@ def test_interleaved_order_is_torchs():
                 schedule = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=pp,
                                            _n_microbatches=m)
                 for rank in range(pp):
-                    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
-                    torch_order = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // pp,
-                                    a.microbatch_index) for a in ops if a is not None]
+                    torch_order = torch_rank_order(ScheduleInterleaved1F1B, schedule, rank)
                     assert schedule_actions("interleaved", pp, rank, m, v) == torch_order, (pp, v, m, rank)
 
 
-@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
-def test_interleaved_bubble_is_p_minus_1_over_v_m(pp, v, m):
+def test_looped_bfs_order_is_torchs():
+    """memory.schedule_actions' looped BFS order is the one torch's ScheduleLoopedBFS computes
+    for each rank (idle slots dropped). Uses torch."""
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
+    from planner.memory import schedule_actions
+    for pp in (2, 3, 4):
+        for v in (2, 3):
+            for m in (1, pp, 2 * pp + 1):
+                schedule = SimpleNamespace(_stages=[None] * v, pp_group_size=pp, _n_microbatches=m)
+                for rank in range(pp):
+                    torch_order = torch_rank_order(ScheduleLoopedBFS, schedule, rank)
+                    assert schedule_actions("looped_bfs", pp, rank, m, v) == torch_order, (pp, v, m, rank)
+
+
+def test_looped_bfs_with_fewer_micro_batches_than_ranks_is_slower_than_the_formula():
+    """Below m = pp a looped BFS rank waits for its next chunk's first micro-batch: the step is
+    longer than pipeline_step_s, which is why the search offers it only for m >= pp."""
+    for pp, v, m in ((4, 2, 2), (8, 2, 4), (4, 4, 3)):
+        fwd, bwd = [1.0] * (pp * v), [2.0] * (pp * v)
+        assert simulate_pipeline("looped_bfs", fwd, bwd, m, v) > 1.05 * CostModel.pipeline_step_s(m, v, 3.0 * pp * v, 3.0 * v, 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "looped_bfs"])
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16), (4, 2, 5)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(schedule, pp, v, m):
     """Narayanan et al. (SC 2021): with v stages a rank the bubble is (p - 1) / (v m) of the
-    ideal time, identical stages; and the schedule run action by action takes as long."""
+    ideal time, identical stages; and the schedule run action by action takes as long, the
+    interleaved 1F1B and looped BFS alike (m >= pp)."""
     fwd, bwd = [1.0] * (pp * v), [2.0] * (pp * v)
     ideal = m * v * 3.0
     formula = CostModel.pipeline_step_s(m, v, 3.0 * pp * v, 3.0 * v, 0.0)
     assert (formula - ideal) / ideal == pytest.approx((pp - 1) / (v * m), rel=1e-12)
-    assert simulate_pipeline("interleaved", fwd, bwd, m, v) == pytest.approx(formula, rel=1e-9)
+    assert simulate_pipeline(schedule, fwd, bwd, m, v) == pytest.approx(formula, rel=1e-9)
     from planner.timeline import schedule_timeline
-    actions = schedule_timeline("interleaved", fwd, bwd, m, v)
+    actions = schedule_timeline(schedule, fwd, bwd, m, v)
     assert len(actions) == 2 * pp * v * m
     for rank in range(pp):                  # a rank runs one action at a time, over all its stages
         mine = sorted((a.start_s, a.end_s) for a in actions if a.stage % pp == rank)
