@@ -139,6 +139,10 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
             raise SolveError(f"--virtual-stages {opts.virtual_stages} needs {2 * opts.virtual_stages} layers for the "
                              f"fewest pipeline ranks (2) and the model has {profile.n_layers}; use --virtual-stages "
                              f"{profile.n_layers // 2} or fewer.")
+    if opts.schedule == "looped_bfs" and ((opts.dp or 1) > 1 or profile.precision == "mixed"):
+        why = f"--dp {opts.dp}" if (opts.dp or 1) > 1 else "a mixed-precision profile"
+        raise SolveError(f"the looped_bfs schedule is planned without FSDP units only, and {why} makes every layer one; "
+                         f"{LOOPED_BFS_NEEDS}: use --schedule interleaved, or --dp 1 with an fp32 or bf16 profile.")
     if (opts.schedule in MULTI_STAGE_SCHEDULES or opts.virtual_stages) and opts.pp == 1:
         raise SolveError(f"the {multi_stage} schedule needs pipeline stages; use --pp 2 or more, or leave --pp free.")
     if opts.checkpoint not in CHECKPOINT_FLAGS:
@@ -189,6 +193,8 @@ def enumerate_candidates(profile: Profile, opts: SolveOptions):
                 m = g // (dp * b)
                 for schedule, v in pipeline_schedules(profile, opts, pp, m):
                     for zero, fsdp, offload in _data_parallel_modes(profile, dp, opts):
+                        if schedule == "looped_bfs" and fsdp:
+                            continue    # (LOOPED_BFS_NEEDS)
                         for sp in sequence_parallel_modes(profile, opts, tp):
                             yield Candidate(dp, tp, pp, b, m, zero, schedule, fsdp, offload, v, sp)
 
@@ -202,6 +208,14 @@ def sequence_parallel_modes(profile: Profile, opts: SolveOptions, tp: int):
     if offered and opts.sequence_parallel != "off":
         yield True
 
+
+# Why looped BFS is laid out without FSDP units (dp 1, not mixed precision, nothing offloaded):
+# torch's runtime schedules reduce a stage's gradients and free its unsharded copies right after
+# its last backward, where memory.walk_rank holds them to the step's end; under looped BFS a
+# rank's later stage finishes long before its first, and the walk over-predicted the peak by
+# 16-30% (bench/fidelity.py, pp2 x dp2). Under interleaved 1F1B, whose stages finish together
+# in the cool-down, by 2.3% at most.
+LOOPED_BFS_NEEDS = "the memory walk holds FSDP gradients to the step's end, where torch reduces each stage's after its last backward"
 
 FREE_VIRTUAL_STAGES = (2,)   # v the search tries under a multi-stage --schedule when --virtual-stages is free
 

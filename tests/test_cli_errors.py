@@ -239,6 +239,7 @@ def test_solve_bad_cluster_file(small_profile, tmp_path):
     (["--gpus", "2", "--pp", "2", "--virtual-stages", "2"], "--pp 2 x --virtual-stages 2 is more stages than the model's 3 layers"),
     (["--gpus", "2", "--pp", "1", "--schedule", "interleaved"], "the interleaved schedule needs pipeline stages"),
     (["--gpus", "2", "--pp", "1", "--schedule", "looped_bfs"], "the looped_bfs schedule needs pipeline stages"),
+    (["--gpus", "4", "--dp", "2", "--schedule", "looped_bfs"], "the looped_bfs schedule is planned without FSDP units only, and --dp 2"),
     (["--gpus", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs 4 layers for the fewest pipeline ranks (2)"),
     (["--gpus", "2", "--zero", "5"], "not a ZeRO stage"),
     (["--gpus", "2", "--sequence-parallel", "maybe"], "--sequence-parallel maybe is not one of on, off, auto"),

@@ -159,15 +159,15 @@ def test_sequence_parallel_flag_pins_or_frees_it():
 def test_multi_stage_schedules_only_when_pinned():
     """A free search lays out one stage a rank; --schedule looped_bfs (or interleaved) pins it,
     with v = 2 unless --virtual-stages says otherwise and m >= pp micro-batches; --virtual-stages
-    alone means interleaved."""
+    alone means interleaved. Looped BFS only without FSDP units (search.LOOPED_BFS_NEEDS)."""
     rng = random.Random(11)
     prof = random_profile(rng, 8)
     def cands(**kw):
         return list(enumerate_candidates(prof, SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=16, **kw)))
     assert {(c.schedule, c.virtual_stages) for c in cands() if c.pp > 1} == {("1f1b", 1), ("gpipe", 1)}
     looped = cands(schedule="looped_bfs")
-    assert looped and all(c.pp > 1 and c.schedule == "looped_bfs" and c.virtual_stages == 2
-                          and c.num_micro_batches >= c.pp for c in looped)
+    assert looped and all(c.pp > 1 and c.schedule == "looped_bfs" and c.virtual_stages == 2 and c.dp == 1
+                          and not c.fsdp and c.num_micro_batches >= c.pp for c in looped)
     assert {c.virtual_stages for c in cands(schedule="looped_bfs", virtual_stages=3)} == {3}
     assert {c.schedule for c in cands(virtual_stages=2)} == {"interleaved"}
 
@@ -214,7 +214,7 @@ def test_milp_equals_brute_force_interleaved(seed, byte_scale, schedule):
     rng = random.Random(seed)
     n = rng.randint(4, 6)
     v = 3 if n == 6 and rng.random() < 0.5 else 2
-    gpus = rng.choice([2, 4])
+    gpus = rng.choice([2, 4]) if schedule == "interleaved" else 2     # looped BFS: without FSDP units, dp 1
     prof = random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale)
     opts = SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40), global_batch=gpus * 4, pp=2, virtual_stages=v,
                         offload="auto" if n <= 5 else "none", schedule=schedule)
