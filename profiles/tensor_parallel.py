@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
