@@ -1,7 +1,7 @@
 """examples/gpt.py with its token embedding split by vocabulary rows under tensor parallelism
 (Megatron's vocabulary-parallel embedding), for the runtime tests: each rank keeps 1/t of the
-table and the embedding's output is all-reduced. (Not in examples/gpt.py itself: profiled
-under FakeTensorMode, a split nn.Embedding crashes torch 2.13, docs/hf-models.md.)"""
+table and the embedding's output is all-reduced. (examples/gpt.py keeps its embedding whole, so
+that the tests run both; the Hugging Face adapter splits it, docs/hf-models.md.)"""
 
 import sys
 from pathlib import Path
