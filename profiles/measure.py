@@ -129,16 +129,6 @@ def _clear_grads(module: nn.Module, x: torch.Tensor | None = None) -> None:
         x.grad = None
 
 
-def _call(fn: Callable, x: torch.Tensor):
-    """fn(x), its async collective (a rowwise layer's all-reduce, DTensor's) waited for, as
-    the next layer would; a collective never waited stays registered, and torch warns of it
-    when the process ends."""
-    out = fn(x)
-    if isinstance(out, AsyncCollectiveTensor):
-        out.wait()
-    return out
-
-
 def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -> dict:
     """Memory figures of `fn(x)` (a layer, or the layer under checkpointing).
 
@@ -162,7 +152,7 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             tracker.reset_peak()
             live_before_fwd = tracker.live
-            out = _call(fn, x_in)
+            out = fn(x_in)
             live_after_fwd = tracker.live
             fwd_peak = tracker.peak
             in_ids = {id(st) for st in _storages(x_in)}
@@ -212,7 +202,7 @@ def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None) -> tuple[OpCost
     their achievable times, given `op_seconds`)."""
     x_in = _fresh_input(x)
     with OpCost(op_seconds) as fwd:
-        out = _call(fn, x_in)
+        out = fn(x_in)
     bwd = OpCost(op_seconds)
     if out.requires_grad:
         grad = torch.ones_like(out)
@@ -229,7 +219,7 @@ def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: Profile
     for rep in range(opts.warmup + opts.repeats):
         t_f = _Timer(cuda)
         with t_f:
-            out = _call(fn, x_in)
+            out = fn(x_in)
         if out.requires_grad:
             grad = torch.ones_like(out)
             t_b = _Timer(cuda)
