@@ -15,7 +15,6 @@ here with the same formulas it uses for the CUDA ones.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 try:
@@ -29,7 +28,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from .live_memory import ShapePropagation
+from .live_memory import CountingMode, ShapePropagation
 
 aten = torch.ops.aten
 
@@ -88,7 +87,7 @@ def matmul_shape(packet, args) -> tuple[int, int, int] | None:
         return None
 
 
-class OpCost(TorchDispatchMode):
+class OpCost(CountingMode):
     """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and TP collectives' traffic; with
     `op_seconds(kind, flops, io_bytes, mnk)`, also each op's achievable time (`seconds`)."""
 
@@ -102,15 +101,6 @@ class OpCost(TorchDispatchMode):
         self.gather_scatter_count = 0
         self.op_seconds = op_seconds
         self.seconds = 0.0
-
-    def __enter__(self):
-        self._watch = ShapePropagation.watch()
-        self._watch.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._watch.__exit__(None, None, None)
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let DTensor lower itself first, so that the local (sharded) ops are what is counted.

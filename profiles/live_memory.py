@@ -40,7 +40,7 @@ class ShapePropagation:
     A dispatch mode that counts (LiveMemory, flops.OpCost) lets them through uncounted; counted,
     loss_parallel's handlers, which propagate afresh on every call, added two unsharded
     (tokens, vocabulary) float32 tensors to the loss's transient peak and three to its traffic.
-    `watch()` installs the wrapper that keeps `depth` while a mode is active."""
+    `watch()` installs the wrapper that keeps `depth` while a mode is active (CountingMode)."""
 
     depth = 0
 
@@ -68,7 +68,22 @@ class ShapePropagation:
             ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
 
-class LiveMemory(TorchDispatchMode):
+class CountingMode(TorchDispatchMode):
+    """A dispatch mode that counts what ops allocate or move: while it is active, DTensor's shape
+    propagation is watched (ShapePropagation), and a subclass returns early when `depth` says
+    an op is part of it."""
+
+    def __enter__(self):
+        self._watch = ShapePropagation.watch()
+        self._watch.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._watch.__exit__(None, None, None)
+        return super().__exit__(*exc)
+
+
+class LiveMemory(CountingMode):
     """Count the bytes of live tensor storages; `live` now, `peak` since the last reset."""
 
     def __init__(self) -> None:
@@ -139,13 +154,10 @@ class LiveMemory(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
-        self._watch = ShapePropagation.watch()
-        self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
-        self._watch.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
