@@ -12,14 +12,16 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from planner.memory import interleaved_rounds
+from planner.plan import MULTI_STAGE_SCHEDULES
 
-SINGLE_STAGE_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-MULTI_STAGE_SCHEDULES = {"interleaved": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
+# torch's class for each of planner.plan.SCHEDULES; MULTI_STAGE_SCHEDULES take a rank's stages, the rest its one.
+SCHEDULE_CLASSES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
+                    "looped_bfs": ScheduleLoopedBFS}
 
 
 def schedule_problem(schedule: str, n_stages: int, pp: int, n_microbatches: int) -> str | None:
     """Why torch's schedule would refuse this layout (checked before any collective), or None."""
-    if schedule in SINGLE_STAGE_SCHEDULES and n_stages != pp:
+    if schedule not in MULTI_STAGE_SCHEDULES and n_stages != pp:
         return f"the {schedule} schedule runs one stage per pp rank but the plan has {n_stages} stages for pp {pp}"
     if schedule == "interleaved":
         rounds = interleaved_rounds(pp, n_microbatches)
@@ -37,9 +39,8 @@ def build_pipeline_schedule(stage_modules: list[tuple[int, nn.Module]], n_stages
     (a mean) on the last stage and divides the gradients by n_microbatches after backward.
     """
     stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in stage_modules]
-    if schedule in MULTI_STAGE_SCHEDULES:
-        return MULTI_STAGE_SCHEDULES[schedule](stages, n_microbatches, loss_fn=loss_fn), stages
-    return SINGLE_STAGE_SCHEDULES[schedule](stages[0], n_microbatches, loss_fn=loss_fn), stages
+    runs = stages if schedule in MULTI_STAGE_SCHEDULES else stages[0]
+    return SCHEDULE_CLASSES[schedule](runs, n_microbatches, loss_fn=loss_fn), stages
 
 
 def p2p_buffers(stages: list[PipelineStage]) -> list[torch.Tensor]:
