@@ -160,8 +160,14 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             count = min(count, max(0, math.floor(tau_most / fastest_in_run[r] * (1 + 1e-9))))
         return count
 
+    # Only where stage s can hold some of run r: a GPT's embedding fits stage 0 alone, its head
+    # the last stage, so a middle stage's rows describe its blocks only (a 64-stage Llama
+    # 405B: a third of the rows, and its cut rows' floors taken over the layers it can hold).
     L = {(r, s, c): prob.add_variable(f"L_r{r}_s{s}_{c.tag()}", 0, most(r, s), cat="Integer")
-         for r in range(R) for s in range(S) for c in open_to[r]}
+         for r in range(R) for s in range(S) if most(r, s) > 0 for c in open_to[r]}
+    segs = {s: [(r, c) for r in range(R) for c in open_to[r] if (r, s, c) in L] for s in range(S)}  # stage s's segments, in order
+    if not all(segs.values()) or any(not any((r, s, c) in L for s in range(S) for c in open_to[r]) for r in range(R)):
+        return Layout("cut off" if tau_most is not None else "infeasible", None, None)   # a stage or a run has nowhere to go
     # e: the segment (r, s, c) has a layer; f: it has two or more (memory rows only).
     gates = L if memory else {}
     e = {k: prob.add_variable(f"e_{v.name[2:]}", cat="Binary") for k, v in gates.items()}
@@ -183,9 +189,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     # -- every layer in exactly one stage, stages contiguous and non-empty -----------------
     for r, (start, length) in enumerate(runs):
-        prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in open_to[r]) == length, f"run{r}_all_layers_placed"
+        prob += lp.lin_sum(L[r, s, c] for s in range(S) for c in open_to[r] if (r, s, c) in L) == length, f"run{r}_all_layers_placed"
         for s in range(S):
-            cum = lp.lin_sum(L[r, t, c] for t in range(s + 1) for c in open_to[r])
+            cum = lp.lin_sum(L[r, t, c] for t in range(s + 1) for c in open_to[r] if (r, t, c) in L)
             prob += cum >= length * full[r, s], f"full_r{r}_s{s}_means_all"
             prob += full[r, s] >= cum - (length - 1), f"full_r{r}_s{s}_when_all"
             prob += cum <= length * started[r, s], f"started_r{r}_s{s}_when_any"
@@ -193,7 +199,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             if r + 1 < R:
                 prob += started[r + 1, s] <= full[r, s], f"prefix_r{r}_s{s}"
     for s in range(S):
-        prob += lp.lin_sum(L[r, s, c] for r in range(R) for c in open_to[r]) >= 1, f"stage{s}_not_empty"
+        prob += lp.lin_sum(L[r, s, c] for r, c in segs[s]) >= 1, f"stage{s}_not_empty"
     if must_offload(cand, prof.precision):
         prob += lp.lin_sum(v for (r, s, c), v in L.items() if c.offload) >= 1, "fsdp_only_to_offload"
     for k in gates:
@@ -210,7 +216,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     run_input = [model.sample(start, cand).input_bytes for start, _ in runs]
 
-    seg = [(r, c) for r in range(R) for c in open_to[r]]   # a stage's segments, in order
     # The activation a stage receives, and the one it sends (its last layer's output).
     stage_in = {s: lp.lin_sum(first_in(r, s) * run_input[r] for r in range(R)) if s > 0 else 0 for s in range(S)}
     stage_out = {s: (lp.lin_sum(first_in(r, s + 1) * run_input[r] for r in range(R)) if s < S - 1
@@ -224,6 +229,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             return sums[s]
         nonlocal prob                   # `prob += row` rebinds the name
         last_stage = s == S - 1
+        seg = segs[s]
         mem = {k: cost[k].memory for k in seg}
 
         # "Keeps output" chain: E after each segment, kp before it.
@@ -292,6 +298,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         rank, chunk = s % pp, s // pp
         mine = [stage_sums(t) for t in range(rank, S, pp)]          # the rank's stages, this one at `chunk`
         x = mine[chunk]
+        seg = segs[s]
         last_stage, mem, totals, per_mb, pmb = x.last_stage, x.mem, x.totals, x.per_mb, x.pmb
         static, compute_static, grads_all, step_grads = x.static, x.compute_static, x.grads_all, x.step_grads
         kept_unsharded, loss_add, loss_kp, resharded = x.kept_unsharded, x.loss_add, x.loss_kp, x.resharded
@@ -496,7 +503,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     once = {}                                    # each stage's once-per-step work (ms)
     for s in range(S):
-        last_stage = s == S - 1
+        last_stage, seg = s == S - 1, segs[s]
         if limit is not None:             # without a limit the rows are not needed (nor built)
             add_stage_memory_rows(s)
 
@@ -524,7 +531,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     if limit is not None and any(cost[k].memory.host for k in cost):
         host_limit = model.hw.usable_host_bytes()
         stage_host = [lp.lin_sum(cost[r, c].memory.host * L[r, s, c] for s in range(rank, S, pp)
-                                 for r in range(R) for c in open_to[r] if c.offload)
+                                 for r, c in segs[s] if c.offload)
                       for rank in range(pp)]     # one rank of each pp rank's stages
         for kind, counts in enumerate(model.ranks_per_stage_on_nodes(cand)):   # CostModel.host_peak_bytes, as rows
             node = lp.lin_sum(n * h for n, h in zip(counts, stage_host) if n)
@@ -543,11 +550,14 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
     if fixed is not None:
         for s, layers in enumerate(fixed):
-            for (r, s2, c), var in L.items():
-                if s2 == s:
-                    start, length = runs[r]
+            for r in range(R):
+                start, length = runs[r]
+                for c in open_to[r]:
                     count = sum(1 for i, ck, off in layers if start <= i < start + length and Choice(checkpoint_mode(ck), off) == c)
-                    prob += var == count, f"fixed_{var.name}"
+                    if (r, s, c) in L:
+                        prob += L[r, s, c] == count, f"fixed_{L[r, s, c].name}"
+                    elif count:          # a layer where this stage cannot hold it
+                        return Layout("infeasible", None, None)
 
     if lower_bound is not None:
         # A proven bound on this candidate's step (its memory-free optimum): the relaxation
@@ -572,11 +582,10 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     placed = {r: runs[r][0] for r in range(R)}
     for s in range(S):
         layers = []
-        for r in range(R):
-            for c in open_to[r]:
-                for _ in range(round(L[r, s, c].value())):
-                    layers.append((placed[r], c.checkpoint, c.offload))
-                    placed[r] += 1
+        for r, c in segs[s]:
+            for _ in range(round(L[r, s, c].value())):
+                layers.append((placed[r], c.checkpoint, c.offload))
+                placed[r] += 1
         stages.append(layers)
     return Layout(status, stages, prob.objective_value() / MS)
 
