@@ -114,12 +114,13 @@ def add_bytes_bound(prob: lp.Model, lhs, rhs, limit: int, name: str) -> None:
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
                  time_limit: float | None = None, fixed: list[list[tuple[int, str, bool]]] | None = None,
                  memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None,
-                 run_choices: list[list[Choice]] | None = None) -> Layout:
+                 run_choices: list[list[Choice]] | None = None, stage_sizes: list[int] | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
     `memory=False`: with no memory limit, the fastest layout there is; `cutoff`: only a layout
     of at most this step time, else status "cut off"; `lower_bound`: a step time no layout of
     this candidate beats, as a row; `run_choices`: per run, the part of `choices` open to its
-    layers, where the others are proven not to be needed)."""
+    layers, where the others are proven not to be needed; `stage_sizes`: how many layers each
+    stage holds, for planner.partition)."""
     prof = model.profile
     runs = runs_of([l.signature for l in prof.layers])
     R, S = len(runs), cand.n_stages
@@ -559,6 +560,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     elif count:          # a layer where this stage cannot hold it
                         return Layout("infeasible", None, None)
 
+    if stage_sizes is not None:
+        for s, size in enumerate(stage_sizes):
+            prob += lp.lin_sum(L[r, s, c] for r, c in segs[s]) == size, f"stage{s}_holds_{size}_layers"
     if lower_bound is not None:
         # A proven bound on this candidate's step (its memory-free optimum): the relaxation
         # starts from it instead of from its own, weaker one.

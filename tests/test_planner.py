@@ -14,6 +14,8 @@ from planner.cost import Candidate, CostModel, zero_model_state_bytes
 from planner.hardware import PRESETS, Hardware
 from planner.memory import in_flight, schedule_actions
 from planner.milp import choices_for, runs_of, solve_layout
+from planner import partition
+from planner.partition import StageSizeSearch
 from planner.search import SolveOptions, enumerate_candidates, fastest_choices, frugal_layout, search
 from tests.synthetic import add_tensor_parallel_samples, random_profile
 
@@ -200,6 +202,82 @@ def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_
         assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
         checked += 1
     return checked
+
+
+def pipeline_cases(seed: int, byte_scale: int):
+    """A random profile, pipeline candidates of one stage a rank (every choice open, offload on
+    the smaller models) and a memory limit for each between the most frugal layout's need and
+    no checkpointing's, as check_against_brute_force draws them."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 7)
+    prof = random_profile(rng, n, repeat_runs=rng.random() < 0.7, byte_scale=byte_scale)
+    offload = "auto" if n <= 5 else "none"
+    opts = SolveOptions(gpus=4, hardware=cpu_like(1 << 40), global_batch=rng.choice([8, 16]), offload=offload)
+    cands = [c for c in enumerate_candidates(prof, opts) if c.pp > 1 and c.virtual_stages == 1 and c.pp <= 3]
+    rng.shuffle(cands)
+    for cand in cands[:3]:
+        choices = choices_for("auto", offload, cand.allow_offload)
+        lo_hi = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
+        everything = lo_hi.evaluate(cand, [[(i, False, False) for i in st] for st in next(partitions(n, cand.pp))])
+        frugal = lo_hi.evaluate(cand, frugal_layout(lo_hi, cand, choices))
+        limit = int(frugal.peak_bytes + (everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
+        yield rng, prof, cand, choices, CostModel(prof, cpu_like(limit), 8, limit)
+
+
+@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(700, 712)] + [(k, 2**17) for k in range(720, 724)])
+def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
+    """The search over stage sizes (planner.partition, for pipeline MILPs that do not close)
+    finds brute force's step, with and without a cutoff just above it (and "cut off" below it);
+    a stage's fastest time within its floor by every split of its layers among the choices
+    (numpy) or, for every third seed, by a small integer program."""
+    if seed % 3 == 0:
+        monkeypatch.setattr(partition, "MAX_SPLITS", 0)
+    checked = 0
+    for _, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
+        layout, _ = StageSizeSearch(model, cand, choices).solve()
+        expected = brute_force(model, cand, choices)
+        if expected is None:
+            assert layout.stages is None
+            continue
+        assert layout.status == "optimal"
+        assert model.evaluate(cand, layout.stages).fits
+        assert model.evaluate(cand, layout.stages).step_s == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 1.001)[0].objective == pytest.approx(expected, rel=1e-6)
+        assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 0.999)[0].status == "cut off"
+        checked += 1
+    assert checked or seed % 3, "no case had a layout that fits"
+
+
+@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(740, 750)] + [(k, 2**17) for k in range(750, 754)])
+def test_stage_floor_holds_for_every_stage_that_fits(seed, byte_scale):
+    """The memory floor the stage-size search bounds with is below every record that can peak:
+    every (canonical) layout of a stage that the walk says fits meets each of its rows, the
+    fastest time within the floor is no slower than that layout's, and the once-per-step floor
+    at that layout's time no more than its once-per-step work."""
+    tried = 0
+    for rng, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
+        search_ = StageSizeSearch(model, cand, choices)
+        n, S = prof.n_layers, cand.pp
+        sigs = [layer.signature for layer in prof.layers]
+        for stages in list(partitions(n, S))[:10]:
+            for s, layers in enumerate(stages):
+                floor = search_.stage_floor(s, layers[0], layers[-1])
+                for picks in itertools.islice(itertools.product(choices, repeat=len(layers)), 400):
+                    if not canonical(layers, picks, choices, sigs):
+                        continue
+                    chosen = [(i, c.checkpoint, c.offload) for i, c in zip(layers, picks)]
+                    if model.rank_memory(cand, s, [(s, chosen)]).peak > model.memory_limit:
+                        continue
+                    counts = [sum(1 for i, c in zip(layers, picks) if search_.run_of[i] == r and c == c2)
+                              for r, c2 in floor.cols]
+                    for per_layer, room in floor.rows:
+                        assert sum(k * w for k, w in zip(counts, per_layer)) <= room + 1e-6 * model.memory_limit
+                    per_mb, once = model.stage_times(cand, s, chosen)
+                    assert search_.fastest_stage_s(s, layers[0], layers[-1]) <= per_mb * (1 + 1e-9)
+                    assert floor.once_s(per_mb) <= once * (1 + 1e-9) + 1e-12
+                    tried += 1
+    assert tried or seed % 2, "no stage layout fits"
 
 
 @pytest.mark.parametrize("seed, byte_scale, schedule", [(k, 1, "interleaved") for k in range(500, 512)]

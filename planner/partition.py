@@ -1,0 +1,352 @@
+"""Exact pipeline layouts by stage sizes: the fallback for pipeline MILPs that do not close.
+
+A pipeline candidate's MILP (milp.solve_layout) can find its best layout in a second or two and
+then spend its whole time limit proving it: the relaxation spreads layers and checkpoints
+fractionally over stages of nearly equal time, and the branch and bound works through which
+stages take the extra layers (GPT-3 175B shape, 16 stages: 17-21 s to close a 0.34% gap). With
+every stage's layer count pinned, the same MILP solves in 0.3-0.6 s. So here the stage sizes
+are searched directly, best first by a lower bound on the step of any layout with those sizes,
+and the size-pinned MILP solves each vector the search reaches, until the next bound is no lower
+than the best step found. Nothing is sampled: every vector whose bound is below the answer was
+solved, and each pinned MILP is exact, so the answer is the candidate's optimum.
+
+The bound of a vector (1F1B and GPipe, one stage a rank): the step is
+    sum_s T_s + (m - 1) max_s T_s + max_s O_s                (CostModel.pipeline_step_s)
+with T_s a stage's time per micro-batch and O_s its once-per-step work. T_s is at least the
+fastest time of its layers over the choices that pass the stage's *memory floor*: records of
+memory.walk_rank that every layout of the stage reaches, made linear in how many of its layers
+take each choice (stage_floor below). O_s is at least each layer's smallest step work plus the
+gradient sync no choice can hide more of. Layers of a run cost as the run's first layer, as in
+the MILP.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import lp
+from .cost import Candidate, CostModel
+from .memory import moments, schedule_actions
+from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
+
+
+MAX_SPLITS = 50_000      # a stage's choice splits evaluated at once (numpy) rather than by an integer program
+MAX_EXPANDED = 200_000   # partial size vectors expanded before the search gives up (reported as a time limit)
+
+
+@dataclass(frozen=True)
+class StageFloor:
+    """One stage's floor: per (run, choice) the bytes a layer adds to each record, and each
+    record's room (the limit less what the stage holds whatever its choices)."""
+
+    cols: tuple[tuple[int, Choice], ...]      # (run, choice), the variables: layers of the run taking the choice
+    counts: dict[int, int]                    # run -> its layers in the stage
+    rows: tuple[tuple[tuple[float, ...], float], ...]   # (bytes per layer of each column, room)
+    time_s: tuple[float, ...]                 # each column's time per micro-batch
+    const_s: float                            # the stage's time per micro-batch outside its layers
+    # Once per step (CostModel.time_terms): optimizer steps and the gradient sync less what
+    # share x its compute hides; each the least its layers' choices allow.
+    step_s: float
+    sync_s: float
+    share: float
+    unhidden_s: float                         # sync less share x compute, each layer's least
+    not_compute_s: float                      # the time per micro-batch of its layers that is not compute
+
+    def once_s(self, time_s: float) -> float:
+        """At least the stage's once-per-step work when it takes `time_s` per micro-batch:
+        its compute is at most that time less the stage's fixed part and what is not compute,
+        so at most that much sync hides. (Less the longer the stage takes; the step gains more.)"""
+        hidden = self.share * max(0.0, time_s - self.const_s - self.not_compute_s)
+        return self.step_s + max(0.0, self.unhidden_s, self.sync_s - hidden)
+
+
+class StageSizeSearch:
+    """The search over stage sizes for one candidate (v = 1, pp > 1)."""
+
+    def __init__(self, model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs"):
+        assert cand.virtual_stages == 1 and cand.pp > 1
+        self.model, self.cand, self.choices, self.solver = model, cand, choices, solver
+        prof = model.profile
+        self.n, self.S, self.m = prof.n_layers, cand.pp, cand.num_micro_batches
+        self.runs = runs_of([layer.signature for layer in prof.layers])
+        self.run_of = [r for r, (_, length) in enumerate(self.runs) for _ in range(length)]
+        self.cost = {(r, c): model.layer(cand, start, c.checkpoint, c.offload)
+                     for r, (start, _) in enumerate(self.runs) for c in choices}
+        self.fastest = [min(self.cost[self.run_of[i], c].micro_batch_s for c in choices) for i in range(self.n)]
+        self.run_input = [model.sample(start, cand).input_bytes for start, _ in self.runs]
+        self.loss = model.loss(cand)
+        self._floors: dict = {}
+        self._fastest: dict = {}
+        self._moment_cache: dict = {}
+
+    # -- one stage ----------------------------------------------------------------------
+    def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
+        """The floor of stage s holding layers a..b (memory.walk_rank's records, lowered to
+        be linear in the choice counts):
+          optimizer step   weights + optimizer states + buffers + the gradients it steps
+          final reduction  (pipelined FSDP units) the same with every unsharded gradient and copy
+          first backward   of the stage's last layer (the loss on the last stage), at the moment
+                           that holds the most micro-batches, with and without gradients: the
+                           states, the kept unsharded copies, every held micro-batch's kept
+                           activations, and that layer's gradient peak (the smallest of its choices).
+        A micro-batch's activations are each layer's own, its output where kept and its input
+        where it keeps that and not its output, less one input for each kind of layer that keeps
+        only its input (the first of a kind can find its input kept by the layer before)."""
+        key = self._floor_key(s, a, b)
+        if key in self._floors:
+            return self._floors[key]
+        model, cand, m = self.model, self.cand, self.m
+        counts, last, stage_in, stage_out = dict(key[1]), key[3], key[4], key[5]
+        # The stage's buffers (CostModel.stage_buffers, the MILP's convention for a run's bytes).
+        static = model.batch_bytes(cand, s == 0, last) + m * (stage_in + (0 if last else stage_out))
+        per_mb = stage_out
+        cols = tuple((r, c) for r in sorted(counts) for c in self.choices)
+        mem = [self.cost[k].memory for k in cols]
+        states = [x.weights + x.optim + x.buffers for x in mem]
+        # A layer that keeps only its input finds it kept already when it is the stage's first
+        # (the pipeline holds it) or follows a layer that keeps its output: in canonical order
+        # the first of a kind at most, so a micro-batch counts at most those inputs too many.
+        only_input = [x.input if (x.keeps_input and not x.keeps_output) else 0 for x in mem]
+        lost_inputs = max(v for (r, _), v in zip(cols, only_input) if r == self.run_of[a])
+        if any(x.keeps_output for x in mem):
+            lost_inputs += sum(only_input)
+        kept = [x.own + (x.output if x.keeps_output else 0) + (x.input if x.keeps_input and not x.keeps_output else 0)
+                for x in mem]
+        limit = model.memory_limit
+        rows = [(tuple(st + (x.grads if x.step_grads is None else x.step_grads) for st, x in zip(states, mem)), limit - static)]
+        if any(x.step_grads is not None for x in mem):
+            rows.append((tuple(st + x.grads + x.kept_unsharded + x.unsharded_after_backward for st, x in zip(states, mem)),
+                         limit - static))
+        lm = self.loss.memory
+        loss_kept = (lm.own + (lm.output if lm.keeps_output else 0)) if last else 0
+        one_mb = per_mb + loss_kept - lost_inputs        # a held micro-batch, less its per-layer part
+
+        def layer_terms(run: int, value) -> tuple[float, float]:
+            """(smallest, largest) of a figure of a layer of `run` over its choices."""
+            vals = [value(self.cost[run, c].memory) for c in self.choices]
+            return min(vals), max(vals)
+
+        def record(per_layer, room: float) -> None:
+            rows.append((tuple(per_layer(st, x, k) for st, x, k in zip(states, mem, kept)), room))
+
+        first, second, final = self.run_of[a], self.run_of[min(a + 1, b)], self.run_of[b]
+        for held, grads in self._moments(s, "B"):
+            # The last layer's backward (the loss's on the last stage): every held micro-batch whole.
+            if last:
+                peak = lm.bwd_accum_peak if grads else lm.bwd_peak
+            else:
+                peak = layer_terms(final, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak))[0]
+            record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
+                   limit - static - held * one_mb - peak)
+
+            # The first layer's backward, the last to run, and its all-gather copy-out: the other
+            # held micro-batches whole, this one's buffers, every other layer's gradients (all
+            # of them once gradients exist) and the unsharded copies their backwards left.
+            def own(x):
+                return x.output + x.unsharded + max(x.bwd_accum_peak if grads else x.bwd_peak,
+                                                    x.gather_flat if x.gathers_in_backward else 0)
+
+            def left(x):
+                return x.unsharded_after_backward + (0 if grads else x.grads)
+
+            def ahead(x):
+                return x.gather_flat if x.gathers_in_backward else 0
+
+            def later(st, x, k):
+                return st + x.kept_unsharded + (held - 1) * k + x.grads + x.unsharded_after_backward
+
+            room = limit - static - (held - 1) * one_mb - per_mb
+            record(later, room - layer_terms(first, own)[0] + layer_terms(first, left)[1])
+            if b > a:
+                # The second layer's: the same, with the first layer's all-gather prefetched.
+                record(later, room - layer_terms(second, own)[0] - layer_terms(first, ahead)[0]
+                       + layer_terms(first, left)[1] + layer_terms(second, left)[1])
+        for held, grads in self._moments(s, "F"):
+            # The first layer's forward: every held micro-batch whole and, once gradients
+            # exist, every gradient and every other layer's unsharded copy left by its backward.
+            own_f = layer_terms(first, lambda x: x.own + x.output + x.fwd_transient + x.unsharded + x.gather_flat)[0]
+            record(lambda st, x, k: st + x.kept_unsharded + held * k + ((x.grads + x.unsharded_after_backward) if grads else 0),
+                   limit - static - held * one_mb - own_f
+                   + (layer_terms(first, lambda x: x.unsharded_after_backward)[1] if grads else 0))
+        terms = model.time_terms(cand, 0.0, self.loss.micro_batch_s if last else 0.0,
+                                 stage_in + (0 if last else stage_out), (s > 0) + (not last), 0.0, 0.0, 0.0)
+        share = model.hw.collective_overlap * 0.5
+
+        def least(figure) -> float:
+            return sum(n * min(figure(self.cost[r, c]) for c in self.choices) for r, n in counts.items())
+        floor = StageFloor(cols, counts, tuple(rows), tuple(self.cost[k].micro_batch_s for k in cols), terms.per_micro_batch,
+                           step_s=least(lambda x: x.step_s), sync_s=least(lambda x: x.sync_s), share=share,
+                           unhidden_s=least(lambda x: x.sync_s - share * x.compute_s),
+                           not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s))
+        self._floors[key] = floor
+        return floor
+
+    def _floor_key(self, s: int, a: int, b: int) -> tuple:
+        """What stage s's floor and fastest time depend on, holding layers a..b: its runs'
+        counts, whether it is first or last, the bytes it receives and sends, its first and
+        last layers' runs."""
+        first, final = self.run_of[a], self.run_of[b]
+        counts = tuple((r, min(b, start + length - 1) - max(a, start) + 1)
+                       for r, (start, length) in enumerate(self.runs[first:final + 1], start=first))
+        last = b == self.n - 1
+        stage_in = self.run_input[first] if s > 0 else 0
+        stage_out = self.model.sample(self.n - 1, self.cand).output_bytes if last else self.run_input[self.run_of[b + 1]]
+        return (s, counts, a == 0, last, stage_in, stage_out, first, final)
+
+    def _moments(self, s: int, kind: str) -> list[tuple[int, bool]]:
+        """Stage s's moments of a kind ("F" or "B") holding the most micro-batches, without
+        gradients and with them: (micro-batches held, the running one included for a backward;
+        gradients present)."""
+        if (s, kind) not in self._moment_cache:
+            most: dict[bool, int] = {}
+            for mo in moments(schedule_actions(self.cand.schedule, self.S, s, self.m, 1), 1):
+                if mo.kind == kind:
+                    most[mo.grads_here] = max(most.get(mo.grads_here, 0), mo.held[0] + (kind == "B"))
+            self._moment_cache[s, kind] = sorted((h, g) for g, h in most.items())
+        return self._moment_cache[s, kind]
+
+    def fastest_stage_s(self, s: int, a: int, b: int) -> float:
+        """The least time per micro-batch of stage s holding layers a..b over the choices
+        within its memory floor (inf: none is within it): every split of each run's layers
+        among its choices where there are few (numpy), else a small integer program."""
+        key = self._floor_key(s, a, b)
+        if key not in self._fastest:
+            floor = self.stage_floor(s, a, b)
+            k = len(self.choices)
+            splits = math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values())
+            least = self._fastest_by_splits(floor) if splits <= MAX_SPLITS else self._fastest_by_program(floor)
+            self._fastest[key] = floor.const_s + least
+        return self._fastest[key]
+
+    def _fastest_by_splits(self, floor: StageFloor) -> float:
+        """Every split of each run's layers among the choices, evaluated at once."""
+        k = len(self.choices)
+        counts = np.zeros((1, 0))
+        for count in floor.counts.values():                   # runs in column order (sorted)
+            part = _splits(count, k)
+            counts = np.hstack([np.repeat(counts, len(part), axis=0), np.tile(part, (len(counts), 1))])
+        fits = np.ones(len(counts), dtype=bool)
+        for per_layer, room in floor.rows:
+            fits &= counts @ np.array(per_layer, dtype=np.float64) <= room
+        if not fits.any():
+            return math.inf
+        return float((counts[fits] @ np.array(floor.time_s, dtype=np.float64)).min())
+
+    def _fastest_by_program(self, floor: StageFloor) -> float:
+        prob = lp.Model("stage_floor")
+        n = {k: prob.add_variable(f"n{j:03d}", 0, floor.counts[k[0]], cat="Integer") for j, k in enumerate(floor.cols)}
+        for r, count in floor.counts.items():
+            prob += lp.lin_sum(v for (r2, _), v in n.items() if r2 == r) == count, f"run{r}"
+        limit = self.model.memory_limit
+        for j, (per_layer, room) in enumerate(floor.rows):
+            prob += lp.lin_sum(v * (w / limit) for v, w in zip(n.values(), per_layer)) <= room / limit, f"floor{j}"
+        prob += lp.lin_sum(v * (t * 1e3) for v, t in zip(n.values(), floor.time_s)), "time_ms"
+        status = _solve(prob, self.solver, None)
+        return prob.objective_value() / 1e3 if status == "optimal" else math.inf
+
+    # -- the search ---------------------------------------------------------------------
+    def vectors(self, bar):
+        """Stage-size vectors in order of their bound, best first, as (bound, sizes), while the
+        bound is within `bar()` (read again before each step: it falls as layouts are found).
+        Ends early, after MAX_EXPANDED partial vectors, with (inf, None)."""
+        n, S, m = self.n, self.S, self.m
+        rest = [0.0] * (n + 1)                     # fastest time of layers i.. (a floor for what is left)
+        for i in reversed(range(n)):
+            rest[i] = rest[i + 1] + self.fastest[i]
+
+        def key(stages_left: int, a: int, total: float, slowest: float, once: float) -> float:
+            """A bound on every vector that starts so: what is left takes at least its layers'
+            fastest times (and the loss), and one of its stages at least their average."""
+            left = rest[a] + (self.loss.micro_batch_s if stages_left else 0.0)
+            spread = left / stages_left if stages_left else 0.0
+            return total + left + (m - 1) * max(slowest, spread) + once
+
+        # (bound, sizes, sum T, max T, max O, the last stage's layers if its time is not yet
+        # its floor's: pushed with its layers' fastest times, refined when it comes first)
+        heap = [(key(S, 0, 0.0, 0.0, 0.0), (), 0.0, 0.0, 0.0, None)]
+        expanded = 0
+        while heap:
+            bound, sizes, total, slowest, once, rough = heapq.heappop(heap)
+            if bound > bar():
+                return
+            s, a = len(sizes), sum(sizes)
+            if rough is not None:
+                (pa, pb), t0 = rough, rest[rough[0]] - rest[rough[1] + 1]
+                t = self.fastest_stage_s(s - 1, pa, pb)
+                if t < math.inf:
+                    child = (total - t0 + t, max(slowest, t), max(once, self.stage_floor(s - 1, pa, pb).once_s(t)))
+                    k = key(S - s, a, *child)
+                    if k <= bar():
+                        heapq.heappush(heap, (k, sizes, *child, None))
+                continue
+            if s == S:
+                yield bound, sizes
+                continue
+            expanded += 1
+            if expanded > MAX_EXPANDED:
+                yield math.inf, None
+                return
+            for b in ([n - 1] if s == S - 1 else range(a, n - (S - s - 1))):
+                t0 = rest[a] - rest[b + 1]
+                if (m - 1) * max(slowest, t0) + total > bar():
+                    break                          # longer stages only take longer
+                k = key(S - s - 1, b + 1, total + t0, slowest, once)
+                if k <= bar():
+                    heapq.heappush(heap, (k, sizes + (b - a + 1,), total + t0, slowest, once, (a, b)))
+
+    def least_step(self, cutoff: float | None = None) -> float:
+        """A step no layout of the candidate beats (inf: none within `cutoff` fits its floors)."""
+        bar = math.inf if cutoff is None else cutoff * (1 + CUTOFF_SLACK)
+        return next((bound for bound, _ in self.vectors(lambda: bar)), math.inf)
+
+    def solve(self, time_limit: float | None = None, cutoff: float | None = None,
+              lower_bound: float | None = None) -> tuple[Layout, int]:
+        """The candidate's best layout, and how many pinned MILPs that took. Status "optimal",
+        "cut off" (nothing reaches `cutoff`), "infeasible", or "time limit" (the best found)."""
+        start = time.perf_counter()
+        worst = math.inf if cutoff is None else cutoff * (1 + CUTOFF_SLACK)
+        best: Layout | None = None
+        solved = 0
+        timed_out = False
+
+        def bar() -> float:
+            return worst if best is None else min(worst, best.objective * (1 + 1e-12))
+
+        for bound, sizes in self.vectors(bar):
+            if sizes is None or (time_limit is not None and time.perf_counter() - start > time_limit):
+                timed_out = True
+                break
+            if best is not None and (bound >= best.objective
+                                     or (lower_bound is not None and best.objective <= lower_bound * (1 + 1e-12))):
+                break
+            left = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - start))
+            layout = solve_layout(self.model, self.cand, self.choices, self.solver, time_limit=left,
+                                  cutoff=best.objective if best is not None else cutoff,
+                                  lower_bound=max(bound, lower_bound or 0.0), stage_sizes=list(sizes))
+            solved += 1
+            if layout.stages is not None and (best is None or layout.objective < best.objective):
+                best = layout
+            if layout.status == "time limit":
+                timed_out = True
+                break
+        if best is None:
+            status = "time limit" if timed_out else ("cut off" if cutoff is not None else "infeasible")
+            return Layout(status, None, None), solved
+        return Layout("time limit" if timed_out else "optimal", best.stages, best.objective), solved
+
+
+@lru_cache(maxsize=256)
+def _splits(count: int, k: int) -> np.ndarray:
+    """Every way of splitting `count` layers among k choices, one row each (stars and bars)."""
+    rows = []
+    for bars in itertools.combinations(range(count + k - 1), k - 1):
+        edges = (-1, *bars, count + k - 1)
+        rows.append([edges[j + 1] - edges[j] - 1 for j in range(k)])
+    return np.array(rows, dtype=np.float64).reshape(-1, k)
