@@ -156,6 +156,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         cutoff, only as many as tau_most allows."""
         start, length = runs[r]
         lo, hi = max(start, s), min(start + length - 1, n - S + s)
+        if stage_sizes is not None:              # pinned: exactly the layers from its first
+            first = sum(stage_sizes[:s])
+            lo, hi = max(start, first), min(start + length - 1, first + stage_sizes[s] - 1)
         count = max(0, hi - lo + 1)
         if tau_most is not None and fastest_in_run[r] > 0:
             count = min(count, max(0, math.floor(tau_most / fastest_in_run[r] * (1 + 1e-9))))

@@ -48,7 +48,9 @@ class StageFloor:
 
     cols: tuple[tuple[int, Choice], ...]      # (run, choice), the variables: layers of the run taking the choice
     counts: dict[int, int]                    # run -> its layers in the stage
-    rows: tuple[tuple[tuple[float, ...], float], ...]   # (bytes per layer of each column, room)
+    # (bytes per layer of each column, room, terms of single layers: (offset into the stage,
+    # sign, the figure under each choice))
+    rows: tuple[tuple[tuple[float, ...], float, tuple], ...]
     time_s: tuple[float, ...]                 # each column's time per micro-batch
     const_s: float                            # the stage's time per micro-batch outside its layers
     # Once per step (CostModel.time_terms): optimizer steps and the gradient sync less what
@@ -120,35 +122,40 @@ class StageSizeSearch:
         kept = [x.own + (x.output if x.keeps_output else 0) + (x.input if x.keeps_input and not x.keeps_output else 0)
                 for x in mem]
         limit = model.memory_limit
-        rows = [(tuple(st + (x.grads if x.step_grads is None else x.step_grads) for st, x in zip(states, mem)), limit - static)]
+        rows = []
+
+        def at(offset: int, value, sign: int = 1) -> tuple:
+            """A term of the layer `offset` layers into the stage: its figure under each choice
+            (the choice it takes follows from the counts, in canonical order)."""
+            run = self.run_of[a + offset]
+            return offset, sign, tuple(value(self.cost[run, c].memory) for c in self.choices)
+
+        def record(per_layer, room: float, *terms) -> None:
+            rows.append((tuple(per_layer(st, x, k) for st, x, k in zip(states, mem, kept)), room, terms))
+
+        record(lambda st, x, k: st + (x.grads if x.step_grads is None else x.step_grads), limit - static)
         if any(x.step_grads is not None for x in mem):
-            rows.append((tuple(st + x.grads + x.kept_unsharded + x.unsharded_after_backward for st, x in zip(states, mem)),
-                         limit - static))
+            record(lambda st, x, k: st + x.grads + x.kept_unsharded + x.unsharded_after_backward, limit - static)
         lm = self.loss.memory
         loss_kept = (lm.own + (lm.output if lm.keeps_output else 0)) if last else 0
         one_mb = per_mb + loss_kept - lost_inputs        # a held micro-batch, less its per-layer part
 
-        def layer_terms(run: int, value) -> tuple[float, float]:
-            """(smallest, largest) of a figure of a layer of `run` over its choices."""
-            vals = [value(self.cost[run, c].memory) for c in self.choices]
-            return min(vals), max(vals)
+        def activations(x):           # what a layer keeps for its backward, its input aside
+            return x.own + (x.output if x.keeps_output else 0)
 
-        def record(per_layer, room: float) -> None:
-            rows.append((tuple(per_layer(st, x, k) for st, x, k in zip(states, mem, kept)), room))
-
-        first, second, final = self.run_of[a], self.run_of[min(a + 1, b)], self.run_of[b]
         for held, grads in self._moments(s, "B"):
             # The last layer's backward (the loss's on the last stage): every held micro-batch whole.
             if last:
-                peak = lm.bwd_accum_peak if grads else lm.bwd_peak
+                final = (lm.bwd_accum_peak if grads else lm.bwd_peak,)
             else:
-                peak = layer_terms(final, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak))[0]
+                final = (at(b - a, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak)),)
             record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
-                   limit - static - held * one_mb - peak)
+                   limit - static - held * one_mb - (final[0] if last else 0), *(() if last else final))
 
             # The first layer's backward, the last to run, and its all-gather copy-out: the other
-            # held micro-batches whole, this one's buffers, every other layer's gradients (all
-            # of them once gradients exist) and the unsharded copies their backwards left.
+            # held micro-batches whole, this one's buffers and what its first layers keep, every
+            # other layer's gradients (all of them once gradients exist) and the unsharded
+            # copies their backwards left.
             def own(x):
                 return x.output + x.unsharded + max(x.bwd_accum_peak if grads else x.bwd_peak,
                                                     x.gather_flat if x.gathers_in_backward else 0)
@@ -156,25 +163,23 @@ class StageSizeSearch:
             def left(x):
                 return x.unsharded_after_backward + (0 if grads else x.grads)
 
-            def ahead(x):
-                return x.gather_flat if x.gathers_in_backward else 0
-
             def later(st, x, k):
                 return st + x.kept_unsharded + (held - 1) * k + x.grads + x.unsharded_after_backward
 
             room = limit - static - (held - 1) * one_mb - per_mb
-            record(later, room - layer_terms(first, own)[0] + layer_terms(first, left)[1])
+            record(later, room, at(0, own), at(0, activations), at(0, left, -1))
             if b > a:
                 # The second layer's: the same, with the first layer's all-gather prefetched.
-                record(later, room - layer_terms(second, own)[0] - layer_terms(first, ahead)[0]
-                       + layer_terms(first, left)[1] + layer_terms(second, left)[1])
+                record(later, room, at(1, own), at(0, lambda x: x.gather_flat if x.gathers_in_backward else 0),
+                       at(0, activations), at(1, activations), at(0, left, -1), at(1, left, -1))
         for held, grads in self._moments(s, "F"):
             # The first layer's forward: every held micro-batch whole and, once gradients
             # exist, every gradient and every other layer's unsharded copy left by its backward.
-            own_f = layer_terms(first, lambda x: x.own + x.output + x.fwd_transient + x.unsharded + x.gather_flat)[0]
+            terms = [at(0, lambda x: x.own + x.output + x.fwd_transient + x.unsharded + x.gather_flat)]
+            if grads:
+                terms.append(at(0, lambda x: x.unsharded_after_backward, -1))
             record(lambda st, x, k: st + x.kept_unsharded + held * k + ((x.grads + x.unsharded_after_backward) if grads else 0),
-                   limit - static - held * one_mb - own_f
-                   + (layer_terms(first, lambda x: x.unsharded_after_backward)[1] if grads else 0))
+                   limit - static - held * one_mb, *terms)
         terms = model.time_terms(cand, 0.0, self.loss.micro_batch_s if last else 0.0,
                                  stage_in + (0 if last else stage_out), (s > 0) + (not last), 0.0, 0.0, 0.0)
         share = model.hw.collective_overlap * 0.5
@@ -221,20 +226,38 @@ class StageSizeSearch:
             floor = self.stage_floor(s, a, b)
             k = len(self.choices)
             splits = math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values())
-            least = self._fastest_by_splits(floor) if splits <= MAX_SPLITS else self._fastest_by_program(floor)
+            least = self._fastest_by_splits(floor, a) if splits <= MAX_SPLITS else self._fastest_by_program(floor)
             self._fastest[key] = floor.const_s + least
         return self._fastest[key]
 
-    def _fastest_by_splits(self, floor: StageFloor) -> float:
-        """Every split of each run's layers among the choices, evaluated at once."""
+    def _fastest_by_splits(self, floor: StageFloor, a: int) -> float:
+        """Every split of each run's layers among the choices, evaluated at once (a layer's
+        own terms by the choice it takes: runs in order, each run's choices in canonical order)."""
         k = len(self.choices)
         counts = np.zeros((1, 0))
         for count in floor.counts.values():                   # runs in column order (sorted)
             part = _splits(count, k)
             counts = np.hstack([np.repeat(counts, len(part), axis=0), np.tile(part, (len(counts), 1))])
+        runs = sorted(floor.counts)
+        choice_at: dict[int, np.ndarray] = {}
+
+        def choice(offset: int) -> np.ndarray:
+            """The choice (index) the layer `offset` into the stage takes in each split."""
+            if offset not in choice_at:
+                run = self.run_of[a + offset]
+                j = runs.index(run)
+                before = a + offset - max(a, self.runs[run][0])     # the run's layers before it in the stage
+                block = np.cumsum(counts[:, j * k:(j + 1) * k], axis=1)
+                choice_at[offset] = np.argmax(block > before, axis=1)
+            return choice_at[offset]
+
         fits = np.ones(len(counts), dtype=bool)
-        for per_layer, room in floor.rows:
-            fits &= counts @ np.array(per_layer, dtype=np.float64) <= room
+        for per_layer, room, terms in floor.rows:
+            live = counts @ np.array(per_layer, dtype=np.float64)
+            for term in terms:
+                offset, sign, values = term
+                live = live + sign * np.array(values, dtype=np.float64)[choice(offset)]
+            fits &= live <= room
         if not fits.any():
             return math.inf
         return float((counts[fits] @ np.array(floor.time_s, dtype=np.float64)).min())
@@ -245,7 +268,8 @@ class StageSizeSearch:
         for r, count in floor.counts.items():
             prob += lp.lin_sum(v for (r2, _), v in n.items() if r2 == r) == count, f"run{r}"
         limit = self.model.memory_limit
-        for j, (per_layer, room) in enumerate(floor.rows):
+        for j, (per_layer, room, terms) in enumerate(floor.rows):
+            room -= sum(min(sign * v for v in values) for _, sign, values in terms)   # each layer's term at its least
             prob += lp.lin_sum(v * (w / limit) for v, w in zip(n.values(), per_layer)) <= room / limit, f"floor{j}"
         prob += lp.lin_sum(v * (t * 1e3) for v, t in zip(n.values(), floor.time_s)), "time_ms"
         status = _solve(prob, self.solver, None)

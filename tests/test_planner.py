@@ -271,8 +271,9 @@ def test_stage_floor_holds_for_every_stage_that_fits(seed, byte_scale):
                         continue
                     counts = [sum(1 for i, c in zip(layers, picks) if search_.run_of[i] == r and c == c2)
                               for r, c2 in floor.cols]
-                    for per_layer, room in floor.rows:
-                        assert sum(k * w for k, w in zip(counts, per_layer)) <= room + 1e-6 * model.memory_limit
+                    for per_layer, room, terms in floor.rows:
+                        single = sum(sign * values[choices.index(picks[offset])] for offset, sign, values in terms)
+                        assert sum(k * w for k, w in zip(counts, per_layer)) + single <= room + 1e-6 * model.memory_limit
                     per_mb, once = model.stage_times(cand, s, chosen)
                     assert search_.fastest_stage_s(s, layers[0], layers[-1]) <= per_mb * (1 + 1e-9)
                     assert floor.once_s(per_mb) <= once * (1 + 1e-9) + 1e-12
