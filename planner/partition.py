@@ -217,15 +217,18 @@ class StageSizeSearch:
             self._moment_cache[s, kind] = sorted((h, g) for g, h in most.items())
         return self._moment_cache[s, kind]
 
-    def fastest_stage_s(self, s: int, a: int, b: int) -> float:
+    def fastest_stage_s(self, s: int, a: int, b: int, programs: bool = True) -> float:
         """The least time per micro-batch of stage s holding layers a..b over the choices
         within its memory floor (inf: none is within it): every split of each run's layers
-        among its choices where there are few (numpy), else a small integer program."""
+        among its choices where there are few (numpy), else a small integer program, or with
+        `programs` off its layers' fastest times (no floor: a weaker bound, and free)."""
         key = self._floor_key(s, a, b)
         if key not in self._fastest:
             floor = self.stage_floor(s, a, b)
             k = len(self.choices)
             splits = math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values())
+            if splits > MAX_SPLITS and not programs:
+                return floor.const_s + sum(self.fastest[a:b + 1])
             least = self._fastest_by_splits(floor, a) if splits <= MAX_SPLITS else self._fastest_by_program(floor)
             self._fastest[key] = floor.const_s + least
         return self._fastest[key]
@@ -276,10 +279,11 @@ class StageSizeSearch:
         return prob.objective_value() / 1e3 if status == "optimal" else math.inf
 
     # -- the search ---------------------------------------------------------------------
-    def vectors(self, bar):
+    def vectors(self, bar, programs: bool = True):
         """Stage-size vectors in order of their bound, best first, as (bound, sizes), while the
         bound is within `bar()` (read again before each step: it falls as layouts are found).
-        Ends early, after MAX_EXPANDED partial vectors, with (inf, None)."""
+        Ends early, after MAX_EXPANDED partial vectors, with (inf, None). `programs`: see
+        fastest_stage_s."""
         n, S, m = self.n, self.S, self.m
         rest = [0.0] * (n + 1)                     # fastest time of layers i.. (a floor for what is left)
         for i in reversed(range(n)):
@@ -303,7 +307,7 @@ class StageSizeSearch:
             s, a = len(sizes), sum(sizes)
             if rough is not None:
                 (pa, pb), t0 = rough, rest[rough[0]] - rest[rough[1] + 1]
-                t = self.fastest_stage_s(s - 1, pa, pb)
+                t = self.fastest_stage_s(s - 1, pa, pb, programs)
                 if t < math.inf:
                     child = (total - t0 + t, max(slowest, t), max(once, self.stage_floor(s - 1, pa, pb).once_s(t)))
                     k = key(S - s, a, *child)
@@ -325,10 +329,18 @@ class StageSizeSearch:
                 if k <= bar():
                     heapq.heappush(heap, (k, sizes + (b - a + 1,), total + t0, slowest, once, (a, b)))
 
+    def enumerates_stages(self) -> bool:
+        """Whether a stage of average size (and two more layers) has few enough splits among
+        the choices to enumerate them: then a bound over the stage sizes is cheap (deep
+        pipelines), else each stage's floor is an integer program of a few ms."""
+        k = len(self.choices)
+        return math.comb(-(-self.n // self.S) + 2 + k - 1, k - 1) <= MAX_SPLITS
+
     def least_step(self, cutoff: float | None = None) -> float:
-        """A step no layout of the candidate beats (inf: none within `cutoff` fits its floors)."""
+        """A step no layout of the candidate beats (inf: none within `cutoff` fits its floors),
+        from the floors of the stages whose splits can be enumerated."""
         bar = math.inf if cutoff is None else cutoff * (1 + CUTOFF_SLACK)
-        return next((bound for bound, _ in self.vectors(lambda: bar)), math.inf)
+        return next((bound for bound, _ in self.vectors(lambda: bar, programs=False)), math.inf)
 
     def solve(self, time_limit: float | None = None, cutoff: float | None = None,
               lower_bound: float | None = None) -> tuple[Layout, int]:

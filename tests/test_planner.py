@@ -244,6 +244,7 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
         assert model.evaluate(cand, layout.stages).step_s == pytest.approx(expected, rel=1e-6, abs=1e-12)
         assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
         assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 1.001)[0].objective == pytest.approx(expected, rel=1e-6)
+        assert StageSizeSearch(model, cand, choices).least_step() <= expected * (1 + 1e-9)   # the bound search uses
         assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 0.999)[0].status == "cut off"
         checked += 1
     assert checked or seed % 3, "no case had a layout that fits"
