@@ -16,8 +16,8 @@ with T_s a stage's time per micro-batch and O_s its once-per-step work. T_s is a
 fastest time of its layers over the choices that pass the stage's *memory floor*: records of
 memory.walk_rank that every layout of the stage reaches, made linear in how many of its layers
 take each choice (stage_floor below). O_s is at least each layer's smallest step work plus the
-gradient sync no choice can hide more of. Layers of a run cost as the run's first layer, as in
-the MILP.
+gradient sync its compute cannot hide at that time (StageFloor.once_s). Layers of a run cost as
+the run's first layer, as in the MILP.
 """
 
 from __future__ import annotations
@@ -90,17 +90,22 @@ class StageSizeSearch:
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
-        """The floor of stage s holding layers a..b (memory.walk_rank's records, lowered to
-        be linear in the choice counts):
+        """The floor of stage s holding layers a..b: records of memory.walk_rank, each lowered
+        to be linear in how many of its layers take each choice, plus terms of single layers:
           optimizer step   weights + optimizer states + buffers + the gradients it steps
           final reduction  (pipelined FSDP units) the same with every unsharded gradient and copy
-          first backward   of the stage's last layer (the loss on the last stage), at the moment
-                           that holds the most micro-batches, with and without gradients: the
-                           states, the kept unsharded copies, every held micro-batch's kept
-                           activations, and that layer's gradient peak (the smallest of its choices).
+          backward         of the stage's last layer (the loss's on the last stage), of its first
+                           (the last to run, and its all-gather copy-out) and of its second, at
+                           the moment that holds the most micro-batches, with and without
+                           gradients: the states, the kept unsharded copies, the held
+                           micro-batches' activations, gradients and unsharded copies the
+                           backwards so far left, and the running layer's own peak
+          forward          of its first layer, likewise
         A micro-batch's activations are each layer's own, its output where kept and its input
-        where it keeps that and not its output, less one input for each kind of layer that keeps
-        only its input (the first of a kind can find its input kept by the layer before)."""
+        where it keeps that alone, less the inputs that the first layer of a kind can find kept
+        already (in canonical order one, unless some choice keeps its output). Everything the
+        walk adds beyond these (neighbours' FSDP buffers, the current micro-batch's partial
+        activations) is left out, so a layout that fits meets every row (tested)."""
         key = self._floor_key(s, a, b)
         if key in self._floors:
             return self._floors[key]
