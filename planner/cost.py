@@ -523,7 +523,13 @@ class CostModel:
         # A measured pipeline overhead (plan calibrate) includes the small send's latency.
         lat = self.hw.pipeline_overhead_s if self.hw.pipeline_overhead_s > 0 else 2 * lat
         return TimeTerms(per_micro_batch=layers_s + loss_s + boundaries * lat + 2 * sent_bytes * per_byte,
-                         step=step_s, sync_minus_window=sync_s - self.hw.collective_overlap * 0.5 * compute_s)
+                         step=step_s, sync_minus_window=sync_s - self.sync_hidden_share * compute_s)
+
+    @property
+    def sync_hidden_share(self) -> float:
+        """The share of a stage's compute per micro-batch that gradient collectives can hide
+        behind (TimeTerms.sync_minus_window): the overlapped share of half the backward."""
+        return self.hw.collective_overlap * 0.5
 
     @staticmethod
     def pipeline_step_s(m: int, v: int, stages_total, slowest, fullest_once):

@@ -124,8 +124,10 @@ class StageSizeSearch:
         lost_inputs = max(v for (r, _), v in zip(cols, only_input) if r == self.run_of[a])
         if any(x.keeps_output for x in mem):
             lost_inputs += sum(only_input)
-        kept = [x.own + (x.output if x.keeps_output else 0) + (x.input if x.keeps_input and not x.keeps_output else 0)
-                for x in mem]
+
+        def activations(x):           # what a layer keeps for its backward, its input aside
+            return x.own + (x.output if x.keeps_output else 0)
+        kept = [activations(x) + alone for x, alone in zip(mem, only_input)]
         limit = model.memory_limit
         rows = []
 
@@ -145,17 +147,14 @@ class StageSizeSearch:
         loss_kept = (lm.own + (lm.output if lm.keeps_output else 0)) if last else 0
         one_mb = per_mb + loss_kept - lost_inputs        # a held micro-batch, less its per-layer part
 
-        def activations(x):           # what a layer keeps for its backward, its input aside
-            return x.own + (x.output if x.keeps_output else 0)
-
         for held, grads in self._moments(s, "B"):
             # The last layer's backward (the loss's on the last stage): every held micro-batch whole.
             if last:
-                final = (lm.bwd_accum_peak if grads else lm.bwd_peak,)
+                loss_peak, final = (lm.bwd_accum_peak if grads else lm.bwd_peak), ()
             else:
-                final = (at(b - a, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak)),)
+                loss_peak, final = 0, (at(b - a, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak)),)
             record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
-                   limit - static - held * one_mb - (final[0] if last else 0), *(() if last else final))
+                   limit - static - held * one_mb - loss_peak, *final)
 
             # The first layer's backward, the last to run, and its all-gather copy-out: the other
             # held micro-batches whole, this one's buffers and what its first layers keep, every
@@ -187,7 +186,7 @@ class StageSizeSearch:
                    limit - static - held * one_mb, *terms)
         terms = model.time_terms(cand, 0.0, self.loss.micro_batch_s if last else 0.0,
                                  stage_in + (0 if last else stage_out), (s > 0) + (not last), 0.0, 0.0, 0.0)
-        share = model.hw.collective_overlap * 0.5
+        share = model.sync_hidden_share
 
         def least(figure) -> float:
             return sum(n * min(figure(self.cost[r, c]) for c in self.choices) for r, n in counts.items())

@@ -283,7 +283,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
     """
     m, pp, v = cand.num_micro_batches, cand.pp, cand.virtual_stages
     runs = runs_of([l.signature for l in model.profile.layers])
-    ov = model.hw.collective_overlap
+    share = model.sync_hidden_share
     with_sync = without_sync = 0.0
     fullest_run = 0.0                          # some stage holds ceil(len / pp) layers of each run
     fastest_each: list[float] = []             # every layer's fastest time per micro-batch
@@ -293,7 +293,7 @@ def time_lower_bound(model: CostModel, cand: Candidate, choices) -> float:
             lc = model.layer(cand, start, c.checkpoint, c.offload)
             t = lc.micro_batch_s
             wo = (m + (pp - 1) / v) * t + lc.step_s
-            w = wo + lc.sync_s - ov * 0.5 * lc.compute_s
+            w = wo + lc.sync_s - share * lc.compute_s
             best_w = w if best_w is None else min(best_w, w)
             best_wo = wo if best_wo is None else min(best_wo, wo)
             best_t = t if best_t is None else min(best_t, t)
@@ -565,7 +565,7 @@ def fastest_choices(model: CostModel, cand: Candidate, choices: list) -> list[li
     another. A Llama 70B on 16 stages is left one choice per run: its memory-free MILP takes
     0.5 s where over four choices it took 8 s.
     """
-    share = model.hw.collective_overlap * 0.5
+    share = model.sync_hidden_share
     keep_offload = must_offload(cand, model.precision)
     per_run = []
     for start, _ in runs_of([layer.signature for layer in model.profile.layers]):
@@ -623,14 +623,15 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
     if sizes is not None and cutoff is not None and sizes.enumerates_stages() \
             and sizes.least_step(cutoff) > cutoff * (1 + CUTOFF_SLACK):
         return Layout("cut off", None, None)
-    first_try = FIRST_TRY_S if sizes is not None and opts.time_limit > FIRST_TRY_S else opts.time_limit
-    first = solve_layout(model, cand, choices, opts.solver, time_limit=first_try, cutoff=cutoff, lower_bound=lower_bound)
-    if first_try == opts.time_limit or not first.status.startswith("time limit"):
+    hand_over = sizes is not None and opts.time_limit > FIRST_TRY_S
+    first = solve_layout(model, cand, choices, opts.solver, time_limit=FIRST_TRY_S if hand_over else opts.time_limit,
+                         cutoff=cutoff, lower_bound=lower_bound)
+    if not hand_over or not first.status.startswith("time limit"):
         return first
-    staged_layout, _ = sizes.solve(time_limit=opts.time_limit - first_try, cutoff=cutoff, lower_bound=lower_bound)
-    if staged_layout.status != "time limit":
-        return staged_layout
-    found = [x for x in (first, staged_layout) if x.stages is not None]
+    staged, _ = sizes.solve(time_limit=opts.time_limit - FIRST_TRY_S, cutoff=cutoff, lower_bound=lower_bound)
+    if staged.status != "time limit":
+        return staged
+    found = [x for x in (first, staged) if x.stages is not None]
     return min(found, key=lambda x: x.objective) if found else Layout("time limit reached", None, None)
 
 
