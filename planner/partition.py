@@ -1,23 +1,27 @@
-"""Exact pipeline layouts by stage sizes: the fallback for pipeline MILPs that do not close.
+"""Exact pipeline layouts by stage sizes, for candidates of one stage a rank (1F1B, GPipe).
 
 A pipeline candidate's MILP (milp.solve_layout) can find its best layout in a second or two and
 then spend its whole time limit proving it: the relaxation spreads layers and checkpoints
 fractionally over stages of nearly equal time, and the branch and bound works through which
-stages take the extra layers (GPT-3 175B shape, 16 stages: 17-21 s to close a 0.34% gap). With
-every stage's layer count pinned, the same MILP solves in 0.3-0.6 s. So here the stage sizes
-are searched directly, best first by a lower bound on the step of any layout with those sizes,
-and the size-pinned MILP solves each vector the search reaches, until the next bound is no lower
-than the best step found. Nothing is sampled: every vector whose bound is below the answer was
-solved, and each pinned MILP is exact, so the answer is the candidate's optimum.
+stages take the extra layers (GPT-3 175B shape, 16 stages: 17-21 s to close a 0.34% gap). So
+here the stage sizes are searched directly, best first by a lower bound on the step of any
+layout with those sizes, and each vector the search reaches is solved exactly, until the next
+bound is no lower than the best step found. Nothing is sampled: every vector whose bound is
+below the answer was solved, so the answer is the candidate's optimum.
 
-The bound of a vector (1F1B and GPipe, one stage a rank): the step is
+With the sizes pinned the stages are independent but for three figures of the step,
     sum_s T_s + (m - 1) max_s T_s + max_s O_s                (CostModel.pipeline_step_s)
-with T_s a stage's time per micro-batch and O_s its once-per-step work. T_s is at least the
-fastest time of its layers over the choices that pass the stage's *memory floor*: records of
-memory.walk_rank that every layout of the stage reaches, made linear in how many of its layers
-take each choice (stage_floor below). O_s is at least each layer's smallest step work plus the
-gradient sync its compute cannot hide at that time (StageFloor.once_s). Layers of a run cost as
-the run's first layer, as in the MILP.
+with T_s a stage's time per micro-batch and O_s its once-per-step work. Where a stage's layouts
+are few enough to list (each run's layers split among the choices in canonical order, as the
+MILP describes them: a few thousand for a stage of tens of identical blocks), each stage's
+fitting layouts are found by the walk itself, fastest first, and the vector's best layout is
+their best combination (solve_sizes); else the size-pinned MILP solves it (0.3-0.6 s).
+
+The bound of a vector: T_s is at least the fastest time of its layers over the choices that
+pass the stage's *memory floor*: records of memory.walk_rank that every layout of the stage
+reaches, made linear in how many of its layers take each choice (stage_floor below). O_s is
+at least each layer's smallest step work plus the gradient sync its compute cannot hide at
+that time (StageFloor.once_s). Layers of a run cost as the run's first layer, as in the MILP.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
 from . import lp
-from .cost import Candidate, CostModel
+from .cost import Candidate, CostModel, must_offload
 from .memory import moments, schedule_actions
 from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 
@@ -69,6 +73,34 @@ class StageFloor:
         return self.step_s + max(0.0, self.unhidden_s, self.sync_s - hidden)
 
 
+@dataclass(frozen=True)
+class StageOption:
+    """A layout of one stage that fits: its time per micro-batch, its once-per-step work, the
+    host bytes it offloads, and its (layer, checkpoint, offload)."""
+
+    time_s: float
+    once_s: float
+    host: int
+    layers: list
+
+
+@dataclass
+class _StageLayouts:
+    """One stage's splits within its floor, fastest first (then least once per step), and how
+    far stage_options has walked them."""
+
+    s: int
+    a: int
+    counts: np.ndarray            # (splits, columns): layers of each (run, choice)
+    time_s: np.ndarray
+    once_s: np.ndarray
+    host: np.ndarray
+    cols: tuple
+    next: int = 0
+    least_once: float = math.inf
+    frontier: list = field(default_factory=list)
+
+
 class StageSizeSearch:
     """The search over stage sizes for one candidate (v = 1, pp > 1)."""
 
@@ -87,6 +119,7 @@ class StageSizeSearch:
         self._floors: dict = {}
         self._fastest: dict = {}
         self._moment_cache: dict = {}
+        self._layouts: dict = {}
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
@@ -221,25 +254,23 @@ class StageSizeSearch:
             self._moment_cache[s, kind] = sorted((h, g) for g, h in most.items())
         return self._moment_cache[s, kind]
 
-    def fastest_stage_s(self, s: int, a: int, b: int, programs: bool = True) -> float:
+    def fastest_stage_s(self, s: int, a: int, b: int) -> float:
         """The least time per micro-batch of stage s holding layers a..b over the choices
         within its memory floor (inf: none is within it): every split of each run's layers
-        among its choices where there are few (numpy), else a small integer program, or with
-        `programs` off its layers' fastest times (no floor: a weaker bound, and free)."""
+        among its choices where there are few (numpy), else a small integer program."""
         key = self._floor_key(s, a, b)
         if key not in self._fastest:
             floor = self.stage_floor(s, a, b)
             k = len(self.choices)
             splits = math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values())
-            if splits > MAX_SPLITS and not programs:
-                return floor.const_s + sum(self.fastest[a:b + 1])
             least = self._fastest_by_splits(floor, a) if splits <= MAX_SPLITS else self._fastest_by_program(floor)
             self._fastest[key] = floor.const_s + least
         return self._fastest[key]
 
-    def _fastest_by_splits(self, floor: StageFloor, a: int) -> float:
-        """Every split of each run's layers among the choices, evaluated at once (a layer's
-        own terms by the choice it takes: runs in order, each run's choices in canonical order)."""
+    def _splits_within(self, floor: StageFloor, a: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every split of each run's layers among the choices, one row of counts per split
+        (columns as floor.cols), and whether it meets every floor row (a layer's own terms by
+        the choice it takes: runs in order, each run's choices in canonical order)."""
         k = len(self.choices)
         counts = np.zeros((1, 0))
         for count in floor.counts.values():                   # runs in column order (sorted)
@@ -265,6 +296,10 @@ class StageSizeSearch:
                 offset, sign, values = term
                 live = live + sign * np.array(values, dtype=np.float64)[choice(offset)]
             fits &= live <= room
+        return counts, fits
+
+    def _fastest_by_splits(self, floor: StageFloor, a: int) -> float:
+        counts, fits = self._splits_within(floor, a)
         if not fits.any():
             return math.inf
         return float((counts[fits] @ np.array(floor.time_s, dtype=np.float64)).min())
@@ -282,12 +317,96 @@ class StageSizeSearch:
         status = _solve(prob, self.solver, None)
         return prob.objective_value() / 1e3 if status == "optimal" else math.inf
 
+    # -- one stage exactly ----------------------------------------------------------------
+    def stage_options(self, s: int, a: int, b: int, most_s: float) -> list[StageOption] | None:
+        """Stage s holding layers a..b: its layouts that fit (the walk, memory.walk_rank, says
+        so) and take at most `most_s` a micro-batch, each no slower and no fuller once per step
+        than another: (time per micro-batch ascending, once-per-step work descending). None
+        where its splits are too many to enumerate. The same layouts the MILP describes (each
+        run's layers take the choices in canonical order), so a layout of pinned stage sizes
+        is the best combination of these (solve_sizes). Splits are tried fastest first, each
+        only if its floor lets it and it would do less once per step than every faster one
+        that fits; made once per stage and extended as `most_s` grows."""
+        key = self._floor_key(s, a, b)
+        state = self._layouts.get(key)
+        if state is None:
+            floor = self.stage_floor(s, a, b)
+            k = len(self.choices)
+            if math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) > MAX_SPLITS:
+                return None
+            counts, fits = self._splits_within(floor, a)
+            counts = counts[fits]
+            col = lambda figure: np.array([figure(self.cost[c]) for c in floor.cols], dtype=np.float64)  # noqa: E731
+            time_s = floor.const_s + counts @ np.array(floor.time_s, dtype=np.float64)
+            window = counts @ col(lambda x: x.sync_s) - floor.share * (counts @ col(lambda x: x.compute_s))
+            once_s = counts @ col(lambda x: x.step_s) + np.maximum(0.0, window)
+            order = np.lexsort((once_s, time_s))
+            state = self._layouts[key] = _StageLayouts(s, a, counts[order], time_s[order], once_s[order],
+                                                       counts[order] @ col(lambda x: x.memory.host), floor.cols)
+        limit = self.model.memory_limit
+        while state.next < len(state.time_s) and state.time_s[state.next] <= most_s:
+            j = state.next
+            state.next += 1
+            if state.once_s[j] >= state.least_once:
+                continue                          # a faster layout that fits does less once per step
+            layers = self._stage_layout(state, j)
+            if self.model.rank_memory(self.cand, s, [(s, layers)]).peak <= limit:
+                state.frontier.append(StageOption(float(state.time_s[j]), float(state.once_s[j]),
+                                                  int(state.host[j]), layers))
+                state.least_once = state.once_s[j]
+        return [o for o in state.frontier if o.time_s <= most_s]
+
+    def _stage_layout(self, state: "_StageLayouts", j: int) -> list[tuple[int, str, bool]]:
+        """The stage's (layer, checkpoint, offload) of split j: each run's layers take the
+        choices in canonical order."""
+        picks = [c for (_, c), count in zip(state.cols, state.counts[j]) for _ in range(int(round(count)))]
+        return [(i, c.checkpoint, c.offload) for i, c in zip(range(state.a, state.a + len(picks)), picks)]
+
+    def solve_sizes(self, sizes: tuple[int, ...], bar: float) -> Layout | None:
+        """The best layout with these stage sizes whose step is within `bar`, without a MILP:
+        each stage's options (stage_options), combined by the one figure they share, the
+        fullest once-per-step work w: for each w, every stage takes its fastest option within
+        w, since the step (sum T + (m - 1) max T + max O) grows with every T. None where a
+        stage cannot be enumerated, where the candidate must offload somewhere (a row across
+        stages), or where the best combination overfills a node's host memory: the pinned
+        MILP decides those."""
+        if must_offload(self.cand, self.model.precision):
+            return None
+        m, starts = self.m, list(itertools.accumulate((0, *sizes)))
+        spans = [(s, starts[s], starts[s + 1] - 1) for s in range(self.S)]
+        least = sum(self.fastest_stage_s(s, a, b) for s, a, b in spans)
+        # No stage of a layout within the bar takes more than this a micro-batch.
+        most_s = math.inf if m == 1 or bar == math.inf else (bar - least) / (m - 1) * (1 + 1e-9)
+        options = []
+        for s, a, b in spans:
+            found = self.stage_options(s, a, b, most_s)
+            if found is None:
+                return None
+            if not found:
+                return Layout("cut off" if bar < math.inf else "infeasible", None, None)
+            options.append(found)
+        best = None
+        for w in sorted({o.once_s for found in options for o in found}):
+            picks = [next((o for o in found if o.once_s <= w), None) for found in options]
+            if None in picks:
+                continue
+            step = self.model.pipeline_step_s(m, 1, sum(o.time_s for o in picks), max(o.time_s for o in picks),
+                                              max(o.once_s for o in picks))
+            if best is None or step < best[0]:
+                best = (step, picks)
+        if best is None or best[0] > bar:
+            return Layout("cut off" if bar < math.inf else "infeasible", None, None)
+        stages = [o.layers for o in best[1]]
+        pred = self.model.evaluate(self.cand, stages)
+        if not pred.fits:
+            return None                            # a node's host memory: the MILP's row
+        return Layout("optimal", stages, pred.step_s)
+
     # -- the search ---------------------------------------------------------------------
-    def vectors(self, bar, programs: bool = True):
+    def vectors(self, bar):
         """Stage-size vectors in order of their bound, best first, as (bound, sizes), while the
         bound is within `bar()` (read again before each step: it falls as layouts are found).
-        Ends early, after MAX_EXPANDED partial vectors, with (inf, None). `programs`: see
-        fastest_stage_s."""
+        Ends early, after MAX_EXPANDED partial vectors, with (inf, None)."""
         n, S, m = self.n, self.S, self.m
         rest = [0.0] * (n + 1)                     # fastest time of layers i.. (a floor for what is left)
         for i in reversed(range(n)):
@@ -311,7 +430,7 @@ class StageSizeSearch:
             s, a = len(sizes), sum(sizes)
             if rough is not None:
                 (pa, pb), t0 = rough, rest[rough[0]] - rest[rough[1] + 1]
-                t = self.fastest_stage_s(s - 1, pa, pb, programs)
+                t = self.fastest_stage_s(s - 1, pa, pb)
                 if t < math.inf:
                     child = (total - t0 + t, max(slowest, t), max(once, self.stage_floor(s - 1, pa, pb).once_s(t)))
                     k = key(S - s, a, *child)
@@ -335,16 +454,11 @@ class StageSizeSearch:
 
     def enumerates_stages(self) -> bool:
         """Whether a stage of average size (and two more layers) has few enough splits among
-        the choices to enumerate them: then a bound over the stage sizes is cheap (deep
-        pipelines), else each stage's floor is an integer program of a few ms."""
+        the choices to enumerate them (deep pipelines): then the floors are cheap and each
+        vector is solved without a MILP (solve_sizes); else each floor is an integer program
+        of a few ms and each vector a pinned MILP of tenths of a second."""
         k = len(self.choices)
         return math.comb(-(-self.n // self.S) + 2 + k - 1, k - 1) <= MAX_SPLITS
-
-    def least_step(self, cutoff: float | None = None) -> float:
-        """A step no layout of the candidate beats (inf: none within `cutoff` fits its floors),
-        from the floors of the stages whose splits can be enumerated."""
-        bar = math.inf if cutoff is None else cutoff * (1 + CUTOFF_SLACK)
-        return next((bound for bound, _ in self.vectors(lambda: bar, programs=False)), math.inf)
 
     def solve(self, time_limit: float | None = None, cutoff: float | None = None,
               lower_bound: float | None = None) -> tuple[Layout, int]:
@@ -366,11 +480,13 @@ class StageSizeSearch:
             if best is not None and (bound >= best.objective
                                      or (lower_bound is not None and best.objective <= lower_bound * (1 + 1e-12))):
                 break
-            left = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - start))
-            layout = solve_layout(self.model, self.cand, self.choices, self.solver, time_limit=left,
-                                  cutoff=best.objective if best is not None else cutoff,
-                                  lower_bound=max(bound, lower_bound or 0.0), stage_sizes=list(sizes))
-            solved += 1
+            layout = self.solve_sizes(sizes, bar())
+            if layout is None:
+                left = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - start))
+                layout = solve_layout(self.model, self.cand, self.choices, self.solver, time_limit=left,
+                                      cutoff=best.objective if best is not None else cutoff,
+                                      lower_bound=max(bound, lower_bound or 0.0), stage_sizes=list(sizes))
+                solved += 1
             if layout.stages is not None and (best is None or layout.objective < best.objective):
                 best = layout
             if layout.status == "time limit":

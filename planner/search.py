@@ -610,19 +610,19 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
                         lower_bound: float | None) -> Layout:
     """The candidate's best layout within the memory limit (milp.solve_layout's statuses).
 
-    A deep pipeline of one stage a rank (few layers a stage) is first bounded by stage sizes
-    (planner.partition): no vector of stage sizes under the cutoff, no MILP (a 64-stage Llama
-    405B: 0.05 s where its MILP took 2-5 s to say the same; with tens of layers a stage the
-    bound costs more than most MILPs). If its MILP has not closed in FIRST_TRY_S, the search over
-    stage sizes goes on with a MILP per size vector, exact as well: where the MILP finds its
-    layout early and then cannot prove it (GPT-3 175B on 16 stages: 17-21 s), the stage sizes
-    close it in about a second. The rest of the time limit is the search's; if it runs out too,
-    the better of the two layouts found stands, unproven."""
+    A deep pipeline of one stage a rank (few enough layers a stage to list a stage's layouts,
+    StageSizeSearch.enumerates_stages) is solved by stage sizes without a MILP (planner.partition:
+    the Llama 70B's pipelines on 64 GPUs, 0.1-0.3 s each where their MILPs took 1.4-3.6 s, four
+    of them unproven at the first try's limit). Another pipeline's MILP runs first; if it has
+    not closed in FIRST_TRY_S, the search over stage sizes goes on with a pinned MILP per size
+    vector, exact as well: where the MILP finds its layout early and then cannot prove it, the
+    stage sizes close it in about a second. The rest of the time limit is the search's; if it
+    runs out too, the better of the two layouts found stands, unproven."""
     staged = cand.pp > 1 and cand.virtual_stages == 1
     sizes = StageSizeSearch(model, cand, choices, opts.solver) if staged else None
-    if sizes is not None and cutoff is not None and sizes.enumerates_stages() \
-            and sizes.least_step(cutoff) > cutoff * (1 + CUTOFF_SLACK):
-        return Layout("cut off", None, None)
+    if sizes is not None and sizes.enumerates_stages():
+        layout, _ = sizes.solve(time_limit=opts.time_limit, cutoff=cutoff, lower_bound=lower_bound)
+        return layout
     hand_over = sizes is not None and opts.time_limit > FIRST_TRY_S
     first = solve_layout(model, cand, choices, opts.solver, time_limit=FIRST_TRY_S if hand_over else opts.time_limit,
                          cutoff=cutoff, lower_bound=lower_bound)

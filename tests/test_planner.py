@@ -5,12 +5,13 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import random
 
 import pytest
 
 from planner.build import build_plan
-from planner.cost import Candidate, CostModel, zero_model_state_bytes
+from planner.cost import Candidate, CostModel, must_offload, zero_model_state_bytes
 from planner.hardware import PRESETS, Hardware
 from planner.memory import in_flight, schedule_actions
 from planner.milp import choices_for, runs_of, solve_layout
@@ -244,10 +245,41 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
         assert model.evaluate(cand, layout.stages).step_s == pytest.approx(expected, rel=1e-6, abs=1e-12)
         assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
         assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 1.001)[0].objective == pytest.approx(expected, rel=1e-6)
-        assert StageSizeSearch(model, cand, choices).least_step() <= expected * (1 + 1e-9)   # the bound search uses
+        assert next(StageSizeSearch(model, cand, choices).vectors(lambda: math.inf))[0] <= expected * (1 + 1e-9)
         assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 0.999)[0].status == "cut off"
         checked += 1
     assert checked or seed % 3, "no case had a layout that fits"
+
+
+@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(760, 772)] + [(k, 2**17) for k in range(772, 776)])
+def test_stage_sizes_without_milp_equal_the_pinned_milp(seed, byte_scale):
+    """For every vector of stage sizes, the layout StageSizeSearch.solve_sizes combines from
+    each stage's fitting layouts (no MILP) is as fast as the size-pinned MILP's, fits, and is
+    cut off by a bar just below it; where the candidate must offload somewhere, or the best
+    combination overfills a node's host memory (a row across stages), it leaves the vector to
+    the MILP."""
+    compared = 0
+    for _, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
+        search_ = StageSizeSearch(model, cand, choices)
+        for stages in partitions(prof.n_layers, cand.pp):
+            sizes = tuple(len(st) for st in stages)
+            mine = search_.solve_sizes(sizes, math.inf)
+            milp = solve_layout(model, cand, choices, stage_sizes=list(sizes))
+            if must_offload(cand, model.precision):
+                assert mine is None
+                continue
+            if mine is None:        # its best combination overfills a node's host memory
+                assert any(c.offload for c in choices)
+                continue
+            if milp.stages is None:
+                assert mine.stages is None and mine.status == "infeasible"
+                continue
+            pred = model.evaluate(cand, mine.stages)
+            assert pred.fits and [len(st) for st in mine.stages] == list(sizes)
+            assert mine.objective == pytest.approx(milp.objective, rel=1e-6, abs=1e-12) == pred.step_s
+            assert search_.solve_sizes(sizes, mine.objective * (1 - 1e-6)).status == "cut off"
+            compared += 1
+    assert compared or seed % 2, "no vector had a layout that fits"
 
 
 @pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(740, 750)] + [(k, 2**17) for k in range(750, 754)])
