@@ -230,7 +230,7 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
     """The search over stage sizes (planner.partition, for pipeline MILPs that do not close)
     finds brute force's step, with and without a cutoff just above it (and "cut off" below it);
     a stage's fastest time within its floor by every split of its layers among the choices
-    (numpy) or, for every third seed, by a small integer program."""
+    (numpy) or, for every third seed, by a linear relaxation."""
     if seed % 3 == 0:
         monkeypatch.setattr(partition, "MAX_SPLITS", 0)
     checked = 0
