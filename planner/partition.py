@@ -35,10 +35,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import moments, schedule_actions
-from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
+from .milp import CUTOFF_SLACK, Choice, Layout, runs_of, solve_layout
 
 
 MAX_SPLITS = 50_000      # a stage's choice splits evaluated at once (numpy) rather than bounded by a linear relaxation
@@ -304,22 +303,37 @@ class StageSizeSearch:
             return math.inf
         return float((counts[fits] @ np.array(floor.time_s, dtype=np.float64)).min())
 
-    def _fastest_by_relaxation(self, floor: StageFloor) -> float:
-        """The least time within the floor with each layer's own terms at their least and the
-        counts fractional: a linear program, so a weaker bound than the splits give, but one
-        HiGHS solves in about 1 ms where the integer program took 3-14 ms (a 70B stage of 40
-        blocks and six choices), and it cuts off the same candidates on bench/solve_real.py."""
-        prob = lp.Model("stage_floor")
-        n = {k: prob.add_variable(f"n{j:03d}", 0, floor.counts[k[0]], cat="Continuous") for j, k in enumerate(floor.cols)}
-        for r, count in floor.counts.items():
-            prob += lp.lin_sum(v for (r2, _), v in n.items() if r2 == r) == count, f"run{r}"
-        limit = self.model.memory_limit
-        for j, (per_layer, room, terms) in enumerate(floor.rows):
-            room -= sum(min(sign * v for v in values) for _, sign, values in terms)   # each layer's term at its least
-            prob += lp.lin_sum(v * (w / limit) for v, w in zip(n.values(), per_layer)) <= room / limit, f"floor{j}"
-        prob += lp.lin_sum(v * (t * 1e3) for v, t in zip(n.values(), floor.time_s)), "time_ms"
-        status = _solve(prob, self.solver, None)
-        return prob.objective_value() / 1e3 if status == "optimal" else math.inf
+    @staticmethod
+    def _fastest_by_relaxation(floor: StageFloor) -> float:
+        """A lower bound on the least time within the floor, by each row alone with the counts
+        fractional and each layer's own terms at their least: for a row sum_j w_j n_j <= room
+        (n_j the layers of column j, each run's summing to its count) and any price y >= 0,
+        no layout within the row is faster than
+            sum_runs count x min_{j in run} (t_j + y w_j) - y room
+        (weak duality), and the best y is where two of a run's choices cost the same, so every
+        such y of every row is tried at once (numpy) and the largest bound kept. Within 0.5% of
+        the linear program over all rows together (a 70B stage of 40 blocks and six choices),
+        in 0.1 ms where HiGHS took 1 ms and the integer program 3-14 ms."""
+        runs = sorted(floor.counts)
+        run_of_col = np.array([runs.index(r) for r, _ in floor.cols])
+        member = run_of_col[None, :] == np.arange(len(runs))[:, None]          # (runs, cols)
+        count = np.array([floor.counts[r] for r in runs], dtype=np.float64)     # (runs,)
+        t = np.array(floor.time_s, dtype=np.float64)                            # (cols,)
+        w = np.array([per_layer for per_layer, _, _ in floor.rows], dtype=np.float64)   # (rows, cols)
+        room = np.array([room - sum(min(sign * v for v in values) for _, sign, values in terms)
+                         for _, room, terms in floor.rows], dtype=np.float64)  # (rows,)
+
+        def least_per_run(x: np.ndarray) -> np.ndarray:        # (..., cols) -> (..., runs)
+            return np.where(member, x[..., None, :], np.inf).min(axis=-1)
+        if (least_per_run(w) @ count > room).any():
+            return math.inf                                     # a row no split can meet
+        # Prices where a slower choice b of a run saves bytes over a faster one a.
+        a, b = np.nonzero((run_of_col[:, None] == run_of_col[None, :]) & (t[None, :] > t[:, None]))
+        saved = w[:, a] - w[:, b]                                                # (rows, pairs)
+        price = np.where(saved > 0, (t[b] - t[a]) / np.where(saved > 0, saved, 1.0), 0.0)
+        price = np.concatenate([np.zeros((len(room), 1)), price], axis=1)        # (rows, prices)
+        bound = least_per_run(t + price[:, :, None] * w[:, None, :]) @ count - price * room[:, None]
+        return float(bound.max())
 
     # -- one stage exactly ----------------------------------------------------------------
     def stage_options(self, s: int, a: int, b: int, most_s: float) -> list[StageOption] | None:
