@@ -470,23 +470,11 @@ class StageSizeSearch:
                 if k <= bar():
                     heapq.heappush(heap, (k, sizes + (b - a + 1,), total + t0, slowest, once, (a, b)))
 
-    def enumerates_stages(self) -> bool:
-        """Whether a stage of average size (and two more layers) has few enough splits among
-        the choices to enumerate them (deep pipelines): then the floors are cheap and each
-        vector is solved without a MILP (solve_sizes); else each floor is a linear program
-        (about 1 ms) and each vector a pinned MILP of tenths of a second."""
-        k = len(self.choices)
-        return math.comb(-(-self.n // self.S) + 2 + k - 1, k - 1) <= MAX_SPLITS
-
-    def bounded_within(self, cutoff: float) -> bool:
-        """Whether some vector's bound is within `cutoff` (or the search gave up before it
-        could say): if not, no layout of the candidate is, and no MILP need say so."""
-        return next(self.vectors(lambda: cutoff * (1 + CUTOFF_SLACK)), None) is not None
-
     def solve(self, time_limit: float | None = None, cutoff: float | None = None,
               lower_bound: float | None = None) -> tuple[Layout, int]:
         """The candidate's best layout, and how many pinned MILPs that took. Status "optimal",
-        "cut off" (nothing reaches `cutoff`), "infeasible", or "time limit" (the best found)."""
+        "cut off" (nothing reaches `cutoff`), "infeasible", "time limit" (the best found, not
+        proven) or "time limit reached" (none found in time)."""
         start = time.perf_counter()
         worst = math.inf if cutoff is None else cutoff * (1 + CUTOFF_SLACK)
         best: Layout | None = None
@@ -515,8 +503,8 @@ class StageSizeSearch:
             if layout.status == "time limit":
                 timed_out = True
                 break
-        if best is None:
-            status = "time limit" if timed_out else ("cut off" if cutoff is not None else "infeasible")
+        if best is None:     # (a time limit with nothing found: the MILP's status for it)
+            status = "time limit reached" if timed_out else ("cut off" if cutoff is not None else "infeasible")
             return Layout(status, None, None), solved
         return Layout("time limit" if timed_out else "optimal", best.stages, best.objective), solved
 

@@ -603,40 +603,23 @@ def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[
                         run_choices=needed), 1
 
 
-FIRST_TRY_S = 1.0   # a pipeline MILP not closed by then goes to the stage-size search
-
-
 def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions, cutoff: float | None,
                         lower_bound: float | None) -> Layout:
     """The candidate's best layout within the memory limit (milp.solve_layout's statuses).
 
-    A deep pipeline of one stage a rank (few enough layers a stage to list a stage's layouts,
-    StageSizeSearch.enumerates_stages) is solved by stage sizes without a MILP (planner.partition:
-    the Llama 70B's pipelines on 64 GPUs, 0.1-0.3 s each where their MILPs took 1.4-3.6 s, four
-    of them unproven at the first try's limit). Another pipeline is first bounded by its stage
-    sizes, and with no vector under the cutoff it needs no MILP (the 70B's pp2 and pp4
-    candidates on 512 GPUs: 0.01-0.07 s where their MILPs took 0.07-0.25 s). Else its MILP runs
-    first; if it has not closed in FIRST_TRY_S, the search over stage sizes goes on with a pinned MILP per size
-    vector, exact as well: where the MILP finds its layout early and then cannot prove it, the
-    stage sizes close it in about a second. The rest of the time limit is the search's; if it
-    runs out too, the better of the two layouts found stands, unproven."""
-    staged = cand.pp > 1 and cand.virtual_stages == 1
-    sizes = StageSizeSearch(model, cand, choices, opts.solver) if staged else None
-    if sizes is not None and sizes.enumerates_stages():
-        layout, _ = sizes.solve(time_limit=opts.time_limit, cutoff=cutoff, lower_bound=lower_bound)
+    A pipeline of one stage a rank (1F1B, GPipe) is solved by its stage sizes
+    (planner.partition): best first by a bound that sees each stage's memory, each vector
+    without a MILP where a stage's layouts can be listed, by a size-pinned MILP where not. Its
+    MILP over every layout at once could find its answer in a second and then spend its whole
+    limit proving it: the Llama 70B on 64 GPUs spent 96 of 116 s in five such MILPs; by stage
+    sizes they take 0.1-0.3 s each, and of the 70B's pp2 and pp4 candidates on 512 GPUs the
+    bound alone cuts off all but one, in 0.003-0.03 s where their MILPs took 0.07-0.25 s."""
+    if cand.pp > 1 and cand.virtual_stages == 1:
+        layout, _ = StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
+                                                                             lower_bound=lower_bound)
         return layout
-    if sizes is not None and cutoff is not None and not sizes.bounded_within(cutoff):
-        return Layout("cut off", None, None)
-    hand_over = sizes is not None and opts.time_limit > FIRST_TRY_S
-    first = solve_layout(model, cand, choices, opts.solver, time_limit=FIRST_TRY_S if hand_over else opts.time_limit,
-                         cutoff=cutoff, lower_bound=lower_bound)
-    if not hand_over or not first.status.startswith("time limit"):
-        return first
-    staged, _ = sizes.solve(time_limit=opts.time_limit - FIRST_TRY_S, cutoff=cutoff, lower_bound=lower_bound)
-    if staged.status != "time limit":
-        return staged
-    found = [x for x in (first, staged) if x.stages is not None]
-    return min(found, key=lambda x: x.objective) if found else Layout("time limit reached", None, None)
+    return solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff,
+                        lower_bound=lower_bound)
 
 
 def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:

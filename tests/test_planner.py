@@ -227,7 +227,7 @@ def pipeline_cases(seed: int, byte_scale: int):
 
 @pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(700, 712)] + [(k, 2**17) for k in range(720, 724)])
 def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
-    """The search over stage sizes (planner.partition, for pipeline MILPs that do not close)
+    """The search over stage sizes (planner.partition, how the search solves pipelines of one stage a rank)
     finds brute force's step, with and without a cutoff just above it (and "cut off" below it);
     a stage's fastest time within its floor by every split of its layers among the choices
     (numpy) or, for every third seed, by a linear relaxation."""
