@@ -270,30 +270,21 @@ class StageSizeSearch:
         """Every split of each run's layers among the choices, one row of counts per split
         (columns as floor.cols), and whether it meets every floor row (a layer's own terms by
         the choice it takes: runs in order, each run's choices in canonical order)."""
-        k = len(self.choices)
-        counts = np.zeros((1, 0))
-        for count in floor.counts.values():                   # runs in column order (sorted)
-            part = _splits(count, k)
-            counts = np.hstack([np.repeat(counts, len(part), axis=0), np.tile(part, (len(counts), 1))])
+        k, sizes = len(self.choices), tuple(floor.counts.values())     # runs in column order (sorted)
+        counts = _split_table(sizes, k)
         runs = sorted(floor.counts)
-        choice_at: dict[int, np.ndarray] = {}
 
         def choice(offset: int) -> np.ndarray:
             """The choice (index) the layer `offset` into the stage takes in each split."""
-            if offset not in choice_at:
-                run = self.run_of[a + offset]
-                j = runs.index(run)
-                before = a + offset - max(a, self.runs[run][0])     # the run's layers before it in the stage
-                block = np.cumsum(counts[:, j * k:(j + 1) * k], axis=1)
-                choice_at[offset] = np.argmax(block > before, axis=1)
-            return choice_at[offset]
+            run = self.run_of[a + offset]
+            before = a + offset - max(a, self.runs[run][0])          # the run's layers before it in the stage
+            return _choice_taken(sizes, k, runs.index(run), before)
 
         fits = np.ones(len(counts), dtype=bool)
         for per_layer, room, terms in floor.rows:
             live = counts @ np.array(per_layer, dtype=np.float64)
-            for term in terms:
-                offset, sign, values = term
-                live = live + sign * np.array(values, dtype=np.float64)[choice(offset)]
+            for offset, sign, values in terms:
+                live += sign * np.array(values, dtype=np.float64)[choice(offset)]
             fits &= live <= room
         return counts, fits
 
@@ -517,3 +508,27 @@ def _splits(count: int, k: int) -> np.ndarray:
         edges = (-1, *bars, count + k - 1)
         rows.append([edges[j + 1] - edges[j] - 1 for j in range(k)])
     return np.array(rows, dtype=np.float64).reshape(-1, k)
+
+
+@lru_cache(maxsize=16)      # each at most MAX_SPLITS rows
+def _split_table(sizes: tuple[int, ...], k: int) -> np.ndarray:
+    """Every split of runs of these sizes among k choices each: one row per combination of
+    the runs' splits, k columns per run (the first run's splits vary slowest)."""
+    table = np.zeros((1, 0))
+    for count in sizes:
+        part = _splits(count, k)
+        table = np.hstack([np.repeat(table, len(part), axis=0), np.tile(part, (len(table), 1))])
+    table.flags.writeable = False
+    return table
+
+
+@lru_cache(maxsize=64)
+def _choice_taken(sizes: tuple[int, ...], k: int, run: int, before: int) -> np.ndarray:
+    """In each row of _split_table(sizes, k), the choice (index) a layer of run `run` takes
+    with `before` of the run's layers ahead of it: choices in canonical order."""
+    taken = np.argmax(np.cumsum(_splits(sizes[run], k), axis=1) > before, axis=1)
+    inner = math.prod(len(_splits(c, k)) for c in sizes[run + 1:])    # rows of the runs after it
+    outer = math.prod(len(_splits(c, k)) for c in sizes[:run])
+    out = np.tile(np.repeat(taken, inner), outer)
+    out.flags.writeable = False
+    return out
