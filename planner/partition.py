@@ -37,7 +37,8 @@ import numpy as np
 
 from .cost import Candidate, CostModel, must_offload
 from .memory import moments, schedule_actions
-from .milp import CUTOFF_SLACK, Choice, Layout, runs_of, solve_layout
+from . import lp
+from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 
 
 MAX_SPLITS = 50_000      # a stage's choice splits evaluated at once (numpy) rather than bounded by a linear relaxation
@@ -119,6 +120,7 @@ class StageSizeSearch:
         self._fastest: dict = {}
         self._moment_cache: dict = {}
         self._layouts: dict = {}
+        self._programs: dict = {}
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
@@ -326,6 +328,45 @@ class StageSizeSearch:
         bound = least_per_run(t + price[:, :, None] * w[:, None, :]) @ count - price * room[:, None]
         return float(bound.max())
 
+    def fastest_stage_by_program(self, s: int, a: int, b: int) -> float:
+        """fastest_stage_s with the integer program in place of the relaxation where the
+        splits are too many to list: a tighter floor at 3-14 ms, worth it only before a pinned
+        MILP of tenths of a second (solve)."""
+        key = self._floor_key(s, a, b)
+        if key not in self._programs:
+            floor = self.stage_floor(s, a, b)
+            k = len(self.choices)
+            if math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) <= MAX_SPLITS:
+                self._programs[key] = self.fastest_stage_s(s, a, b)
+            else:
+                self._programs[key] = floor.const_s + self._fastest_by_program(floor)
+        return self._programs[key]
+
+    def _fastest_by_program(self, floor: StageFloor) -> float:
+        """The least time within the floor, the counts integral and each layer's own terms at
+        their least (a small integer program)."""
+        prob = lp.Model("stage_floor")
+        n = {k: prob.add_variable(f"n{j:03d}", 0, floor.counts[k[0]], cat="Integer") for j, k in enumerate(floor.cols)}
+        for r, count in floor.counts.items():
+            prob += lp.lin_sum(v for (r2, _), v in n.items() if r2 == r) == count, f"run{r}"
+        limit = self.model.memory_limit
+        for j, (per_layer, room, terms) in enumerate(floor.rows):
+            room -= sum(min(sign * v for v in values) for _, sign, values in terms)   # each layer's term at its least
+            prob += lp.lin_sum(v * (w / limit) for v, w in zip(n.values(), per_layer)) <= room / limit, f"floor{j}"
+        prob += lp.lin_sum(v * (t * 1e3) for v, t in zip(n.values(), floor.time_s)), "time_ms"
+        status = _solve(prob, self.solver, None)
+        return prob.objective_value() / 1e3 if status == "optimal" else math.inf
+
+    def program_bound(self, sizes: tuple[int, ...]) -> float:
+        """The bound of a whole vector (as `vectors` gives it) with each stage's floor by
+        fastest_stage_by_program."""
+        starts = list(itertools.accumulate((0, *sizes)))
+        times = [self.fastest_stage_by_program(s, starts[s], starts[s + 1] - 1) for s in range(self.S)]
+        if math.inf in times:
+            return math.inf
+        once = max(self.stage_floor(s, starts[s], starts[s + 1] - 1).once_s(t) for s, t in enumerate(times))
+        return sum(times) + (self.m - 1) * max(times) + once
+
     # -- one stage exactly ----------------------------------------------------------------
     def stage_options(self, s: int, a: int, b: int, most_s: float) -> list[StageOption] | None:
         """Stage s holding layers a..b: its layouts that fit (the walk, memory.walk_rank, says
@@ -483,6 +524,8 @@ class StageSizeSearch:
                                      or (lower_bound is not None and best.objective <= lower_bound * (1 + 1e-12))):
                 break
             layout = self.solve_sizes(sizes, bar())
+            if layout is None and self.program_bound(sizes) > bar():
+                continue                  # the integer floors rule it out: no MILP
             if layout is None:
                 left = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - start))
                 layout = solve_layout(self.model, self.cand, self.choices, self.solver, time_limit=left,

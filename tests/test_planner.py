@@ -286,7 +286,8 @@ def test_stage_sizes_without_milp_equal_the_pinned_milp(seed, byte_scale):
 def test_stage_floor_holds_for_every_stage_that_fits(seed, byte_scale):
     """The memory floor the stage-size search bounds with is below every record that can peak:
     every (canonical) layout of a stage that the walk says fits meets each of its rows, the
-    fastest time within the floor is no slower than that layout's, and the once-per-step floor
+    fastest time within the floor (by its splits, its integer program, and each row's
+    relaxation) is no slower than that layout's, and the once-per-step floor
     at that layout's time no more than its once-per-step work."""
     tried = 0
     for rng, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
@@ -309,6 +310,9 @@ def test_stage_floor_holds_for_every_stage_that_fits(seed, byte_scale):
                         assert sum(k * w for k, w in zip(counts, per_layer)) + single <= room + 1e-6 * model.memory_limit
                     per_mb, once = model.stage_times(cand, s, chosen)
                     assert search_.fastest_stage_s(s, layers[0], layers[-1]) <= per_mb * (1 + 1e-9)
+                    # the integer program and the per-row relaxation used where splits are too many
+                    assert floor.const_s + search_._fastest_by_program(floor) <= per_mb * (1 + 1e-9)
+                    assert floor.const_s + search_._fastest_by_relaxation(floor) <= per_mb * (1 + 1e-9)
                     assert floor.once_s(per_mb) <= once * (1 + 1e-9) + 1e-12
                     tried += 1
     assert tried or seed % 2, "no stage layout fits"
