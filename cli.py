@@ -362,8 +362,9 @@ def solve(
         fail(str(e))
     print_top(result, limit_bytes, wide)
     print_plan(plan, wide)
-    out.print(f"{result.candidates} layouts, {result.solved} MILPs solved: {result.pruned} ruled out as slower than "
-              f"the top {top} (by a bound or by their MILP), {result.infeasible} as not fitting.")
+    out.print(f"{result.candidates} layouts, {result.solved} solved within the memory limit "
+              f"({result.free_solved + result.milps} MILPs): {result.pruned} ruled out as slower than "
+              f"the top {top} (by a bound or when solved), {result.infeasible} as not fitting.")
     for note in result.notes:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     out.print(f"wrote [bold]{escape(str(output))}[/]; run it with:\n  {escape(plan.launch)}", highlight=False)

@@ -3,8 +3,10 @@
 Each model is profiled once in fake mode (mixed precision, AdamW, micro-batches 1, 2, 4) from a
 Hugging Face config built here (nothing downloaded); each case then solves with every knob free,
 in a child process with a time limit, as `plan solve` would. Prints per case the wall time,
-the candidates, the MILPs solved (memory-free ones, and ones with memory rows), and the layout
-chosen.
+the candidates, the memory-free MILPs, the candidates solved within the memory limit and the
+MILPs with memory rows that took (a pipeline of one stage a rank is solved by its stage sizes,
+planner/partition.py), and the layout chosen. What follows the table in the results file (the
+tables before) is kept.
 
     python bench/solve_real.py [--limit 180]     # writes bench/results/solve_real.md
 """
@@ -62,10 +64,13 @@ t = time.perf_counter()
 r = search(prof, opts)
 best = r.solutions[0] if r.solutions else None
 print(json.dumps({{"seconds": time.perf_counter() - t, "candidates": r.candidates, "solved": r.solved,
-                  "free_solved": getattr(r, "free_solved", 0),
+                  "free_solved": getattr(r, "free_solved", 0), "milps": getattr(r, "milps", r.solved),
                   "layout": best.candidate.describe() if best else "nothing fits",
                   "step_s": best.prediction.step_s if best else None}}))
 """
+
+
+HISTORY = "<!-- earlier tables, kept by bench/solve_real.py -->"
 
 
 def profile(name: str, workdir: Path) -> Path:
@@ -99,20 +104,24 @@ def main() -> None:
                 proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=args.limit)
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
             except subprocess.TimeoutExpired:
-                res = {"seconds": None, "candidates": "-", "solved": "-", "free_solved": "-", "layout": "-", "step_s": None}
+                res = {"seconds": None, "candidates": "-", "solved": "-", "free_solved": "-", "milps": "-", "layout": "-",
+                       "step_s": None}
             wall = f"{res['seconds']:.2f}" if res["seconds"] is not None else f"> {args.limit:.0f} (stopped)"
             step = f"{res['step_s']:.3f}" if res["step_s"] else "-"
             rows.append((name, str(gpus), str(batch), wall, str(res["candidates"]), str(res["free_solved"]),
-                         str(res["solved"]), res["layout"], step))
+                         str(res["solved"]), str(res["milps"]), res["layout"], step))
             print(" | ".join(rows[-1]), f"({time.perf_counter() - t:.0f} s)", flush=True)
-    head = "| model | GPUs | global batch | solve s | candidates | memory-free MILPs | memory MILPs | layout | step s |"
-    md = [head, "|" + "---|" * 9] + ["| " + " | ".join(r) + " |" for r in rows]
+    head = ("| model | GPUs | global batch | solve s | candidates | memory-free MILPs | solved with memory "
+            "| memory MILPs | layout | step s |")
+    md = [head, "|" + "---|" * 10] + ["| " + " | ".join(r) + " |" for r in rows]
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "solve_real.md").write_text(
+    path = out / "solve_real.md"
+    history = path.read_text().split(HISTORY, 1)[1] if path.exists() and HISTORY in path.read_text() else "\n"
+    path.write_text(
         f"# Free solves of published shapes\n\n`python bench/solve_real.py --limit {args.limit:.0f}` on "
         f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: fake profiles (mixed precision, AdamW), every "
-        "knob free, top 5; wall seconds of `search`.\n\n" + "\n".join(md) + "\n")
+        "knob free, top 5; wall seconds of `search`.\n\n" + "\n".join(md) + "\n\n" + HISTORY + history)
     print("\n".join(md))
 
 

@@ -69,12 +69,13 @@ class Solution:
 class SearchResult:
     solutions: list[Solution]                          # best first
     candidates: int                                    # how many were enumerated
-    solved: int                                        # how many MILPs with memory rows ran
+    solved: int                                        # candidates solved within the memory limit (a MILP or their stage sizes)
     pruned: int                                        # skipped by the time bound, or cut off by the K-th best time
     infeasible: int                                    # proven not to fit (bound or MILP)
     closest: Prediction | None = None                  # when nothing fits: the frugal layout that comes closest
     free_solved: int = 0                               # memory-free MILPs (the candidate's fastest layout, no limit)
     free_fits: int = 0                                 # of those, layouts that fit: the candidate's optimum, no memory MILP needed
+    milps: int = 0                                     # MILPs with memory rows that ran (size-pinned ones among them)
     notes: list[str] = field(default_factory=list)
 
 
@@ -409,7 +410,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 continue
         result.solved += 1
         bound = free.objective if free.status == "optimal" else None
-        layout = solve_memory_layout(model, cand, choices, opts, cutoff, bound)
+        layout, milps = solve_memory_layout(model, cand, choices, opts, cutoff, bound)
+        result.milps += milps
         if layout.status == "cut off":
             # (A cut-off 1F1B twin does not vouch for its GPipe twin: that one is asked with the
             # same cutoff, usually as quickly as a memory-free bound would be found.)
@@ -604,8 +606,9 @@ def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[
 
 
 def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions, cutoff: float | None,
-                        lower_bound: float | None) -> Layout:
-    """The candidate's best layout within the memory limit (milp.solve_layout's statuses).
+                        lower_bound: float | None) -> tuple[Layout, int]:
+    """The candidate's best layout within the memory limit (milp.solve_layout's statuses), and
+    how many MILPs that took.
 
     A pipeline of one stage a rank (1F1B, GPipe) is solved by its stage sizes
     (planner.partition): best first by a bound that sees each stage's memory, each vector
@@ -615,11 +618,10 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
     sizes they take 0.1-0.3 s each, and of the 70B's pp2 and pp4 candidates on 512 GPUs the
     bound alone cuts off all but one, in 0.003-0.03 s where their MILPs took 0.07-0.25 s."""
     if cand.pp > 1 and cand.virtual_stages == 1:
-        layout, _ = StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
-                                                                             lower_bound=lower_bound)
-        return layout
+        return StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
+                                                                        lower_bound=lower_bound)
     return solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff,
-                        lower_bound=lower_bound)
+                        lower_bound=lower_bound), 1
 
 
 def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:
