@@ -362,8 +362,8 @@ def solve(
         fail(str(e))
     print_top(result, limit_bytes, wide)
     print_plan(plan, wide)
-    out.print(f"{result.candidates} layouts, {result.solved} solved within the memory limit "
-              f"({result.free_solved + result.milps} MILPs): {result.pruned} ruled out as slower than "
+    out.print(f"{result.candidates} layouts, {result.free_solved + result.milps} MILPs ({result.solved} solved within "
+              f"the memory limit): {result.pruned} ruled out as slower than "
               f"the top {top} (by a bound or when solved), {result.infeasible} as not fitting.")
     for note in result.notes:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
