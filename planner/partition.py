@@ -43,6 +43,10 @@ from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 
 MAX_SPLITS = 50_000      # a stage's choice splits evaluated at once (numpy) rather than bounded by a linear relaxation
 MAX_EXPANDED = 200_000   # partial size vectors expanded before the search gives up (reported as a time limit)
+# Walks (CostModel.rank_memory, 1-2 ms each) one stage's listed layouts may take before the
+# stage is left to the pinned MILP: its floor can let through many a layout the walk refuses.
+# The most seen on bench/solve_real.py is 19.
+MAX_WALKS = 200
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class _StageLayouts:
     host: np.ndarray
     cols: tuple
     next: int = 0
+    walks: int = 0                # splits checked by the walk so far
     least_once: float = math.inf
     frontier: list = field(default_factory=list)
 
@@ -372,7 +377,8 @@ class StageSizeSearch:
         """Stage s holding layers a..b: its layouts that fit (the walk, memory.walk_rank, says
         so) and take at most `most_s` a micro-batch, each no slower and no fuller once per step
         than another: (time per micro-batch ascending, once-per-step work descending). None
-        where its splits are too many to enumerate. The same layouts the MILP describes (each
+        where its splits are too many to enumerate, or too many passed its floor and not the
+        walk (MAX_WALKS). The same layouts the MILP describes (each
         run's layers take the choices in canonical order), so a layout of pinned stage sizes
         is the best combination of these (solve_sizes). Splits are tried fastest first, each
         only if its floor lets it and it would do less once per step than every faster one
@@ -396,9 +402,13 @@ class StageSizeSearch:
         limit = self.model.memory_limit
         while state.next < len(state.time_s) and state.time_s[state.next] <= most_s:
             j = state.next
-            state.next += 1
             if state.once_s[j] >= state.least_once:
+                state.next += 1
                 continue                          # a faster layout that fits does less once per step
+            if state.walks >= MAX_WALKS:
+                return None
+            state.next += 1
+            state.walks += 1
             layers = self._stage_layout(state, j)
             if self.model.rank_memory(self.cand, s, [(s, layers)]).peak <= limit:
                 state.frontier.append(StageOption(float(state.time_s[j]), float(state.once_s[j]),

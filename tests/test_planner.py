@@ -230,9 +230,12 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
     """The search over stage sizes (planner.partition, how the search solves pipelines of one stage a rank)
     finds brute force's step, with and without a cutoff just above it (and "cut off" below it);
     a stage's fastest time within its floor by every split of its layers among the choices
-    (numpy) or, for every third seed, by a linear relaxation."""
+    (numpy) or, for every third seed, by a linear relaxation (and each vector by a pinned
+    MILP); for another third, stages left to the pinned MILP after one walk."""
     if seed % 3 == 0:
         monkeypatch.setattr(partition, "MAX_SPLITS", 0)
+    if seed % 3 == 1:
+        monkeypatch.setattr(partition, "MAX_WALKS", 1)    # stages handed to the pinned MILP part way
     checked = 0
     for _, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
         layout, _ = StageSizeSearch(model, cand, choices).solve()
@@ -255,9 +258,9 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
 def test_stage_sizes_without_milp_equal_the_pinned_milp(seed, byte_scale):
     """For every vector of stage sizes, the layout StageSizeSearch.solve_sizes combines from
     each stage's fitting layouts (no MILP) is as fast as the size-pinned MILP's, fits, and is
-    cut off by a bar just below it; where the candidate must offload somewhere, or the best
-    combination overfills a node's host memory (a row across stages), it leaves the vector to
-    the MILP."""
+    cut off by a bar just below it; where the candidate must offload somewhere, the best
+    combination overfills a node's host memory (a row across stages), or a stage's floor lets
+    through more layouts than the walks allowed (MAX_WALKS), it leaves the vector to the MILP."""
     compared = 0
     for _, prof, cand, choices, model in pipeline_cases(seed, byte_scale):
         search_ = StageSizeSearch(model, cand, choices)
@@ -268,8 +271,9 @@ def test_stage_sizes_without_milp_equal_the_pinned_milp(seed, byte_scale):
             if must_offload(cand, model.precision):
                 assert mine is None
                 continue
-            if mine is None:        # its best combination overfills a node's host memory
-                assert any(c.offload for c in choices)
+            if mine is None:        # the best combination overfills a node's host memory, or a stage's walks ran out
+                assert any(c.offload for c in choices) or any(st.walks >= partition.MAX_WALKS
+                                                              for st in search_._layouts.values())
                 continue
             if milp.stages is None:
                 assert mine.stages is None and mine.status == "infeasible"
