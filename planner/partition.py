@@ -85,7 +85,7 @@ class StageOption:
     time_s: float
     once_s: float
     host: int
-    layers: list
+    layers: list[tuple[int, str, bool]]
 
 
 @dataclass
@@ -93,8 +93,7 @@ class _StageLayouts:
     """One stage's splits within its floor, fastest first (then least once per step), and how
     far stage_options has walked them."""
 
-    s: int
-    a: int
+    a: int                        # the stage's first layer
     counts: np.ndarray            # (splits, columns): layers of each (run, choice)
     time_s: np.ndarray
     once_s: np.ndarray
@@ -267,11 +266,14 @@ class StageSizeSearch:
         key = self._floor_key(s, a, b)
         if key not in self._fastest:
             floor = self.stage_floor(s, a, b)
-            k = len(self.choices)
-            splits = math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values())
-            least = self._fastest_by_splits(floor, a) if splits <= MAX_SPLITS else self._fastest_by_relaxation(floor)
+            least = self._fastest_by_splits(floor, a) if self._listable(floor) else self._fastest_by_relaxation(floor)
             self._fastest[key] = floor.const_s + least
         return self._fastest[key]
+
+    def _listable(self, floor: StageFloor) -> bool:
+        """Whether the stage's splits among the choices are few enough to list (MAX_SPLITS)."""
+        k = len(self.choices)
+        return math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) <= MAX_SPLITS
 
     def _splits_within(self, floor: StageFloor, a: int) -> tuple[np.ndarray, np.ndarray]:
         """Every split of each run's layers among the choices, one row of counts per split
@@ -340,8 +342,7 @@ class StageSizeSearch:
         key = self._floor_key(s, a, b)
         if key not in self._programs:
             floor = self.stage_floor(s, a, b)
-            k = len(self.choices)
-            if math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) <= MAX_SPLITS:
+            if self._listable(floor):
                 self._programs[key] = self.fastest_stage_s(s, a, b)
             else:
                 self._programs[key] = floor.const_s + self._fastest_by_program(floor)
@@ -377,18 +378,17 @@ class StageSizeSearch:
         """Stage s holding layers a..b: its layouts that fit (the walk, memory.walk_rank, says
         so) and take at most `most_s` a micro-batch, each no slower and no fuller once per step
         than another: (time per micro-batch ascending, once-per-step work descending). None
-        where its splits are too many to enumerate, or too many passed its floor and not the
-        walk (MAX_WALKS). The same layouts the MILP describes (each
-        run's layers take the choices in canonical order), so a layout of pinned stage sizes
-        is the best combination of these (solve_sizes). Splits are tried fastest first, each
+        where its splits are too many to list, or too many passed its floor and not the walk
+        (MAX_WALKS). The same layouts the MILP describes (each run's layers take the choices
+        in canonical order), so a layout of pinned stage sizes is the best combination of
+        these (solve_sizes). Splits are tried fastest first, each
         only if its floor lets it and it would do less once per step than every faster one
         that fits; made once per stage and extended as `most_s` grows."""
         key = self._floor_key(s, a, b)
         state = self._layouts.get(key)
         if state is None:
             floor = self.stage_floor(s, a, b)
-            k = len(self.choices)
-            if math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) > MAX_SPLITS:
+            if not self._listable(floor):
                 return None
             counts, fits = self._splits_within(floor, a)
             counts = counts[fits]
@@ -397,7 +397,7 @@ class StageSizeSearch:
             window = counts @ col(lambda x: x.sync_s) - floor.share * (counts @ col(lambda x: x.compute_s))
             once_s = counts @ col(lambda x: x.step_s) + np.maximum(0.0, window)
             order = np.lexsort((once_s, time_s))
-            state = self._layouts[key] = _StageLayouts(s, a, counts[order], time_s[order], once_s[order],
+            state = self._layouts[key] = _StageLayouts(a, counts[order], time_s[order], once_s[order],
                                                        counts[order] @ col(lambda x: x.memory.host), floor.cols)
         limit = self.model.memory_limit
         while state.next < len(state.time_s) and state.time_s[state.next] <= most_s:
