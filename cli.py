@@ -314,7 +314,7 @@ def solve(
     memory_limit: Optional[str] = typer.Option(None, help="Memory per GPU plans may use, e.g. 70GiB (default: the hardware's usable memory)."),
     top: int = typer.Option(5, help="How many of the best layouts to show and keep."),
     solver: str = typer.Option("highs", help="highs (in-process, the default) | cbc (bundled with PuLP; slower)."),
-    time_limit: float = typer.Option(20.0, help="Seconds per layout MILP; a layout found at the limit is marked unproven."),
+    time_limit: float = typer.Option(20.0, help="Seconds per candidate's layout solve (its MILP, or for a pipeline its search over stage sizes); a layout found at the limit is marked unproven."),
     dp: Optional[int] = typer.Option(None, help="Pin the data-parallel degree."),
     tp: Optional[int] = typer.Option(None, help="Pin the tensor-parallel degree."),
     pp: Optional[int] = typer.Option(None, help="Pin the pipeline-parallel degree."),

@@ -47,7 +47,7 @@ class SolveOptions:
     checkpoint: str = "auto"                 # none | selective | all | auto (milp.CHECKPOINT_FLAGS)
     sequence_parallel: str = "auto"          # on | off | auto: under tp > 1, where the model's tp_plan offers it
     offload: str = "auto"                    # none | auto
-    time_limit: float = 20.0                 # seconds per MILP; past it the layout is reported as unproven
+    time_limit: float = 20.0                 # seconds per candidate's memory solve (a MILP, or a pipeline's stage sizes); past it the layout is reported as unproven
 
     @property
     def node_size(self) -> int:
