@@ -35,13 +35,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import moments, schedule_actions
-from . import lp
 from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 
 
-MAX_SPLITS = 50_000      # a stage's choice splits evaluated at once (numpy) rather than bounded by a linear relaxation
+MAX_SPLITS = 50_000      # a stage's choice splits listed at once (numpy); past it, floors by relaxation, vectors by pinned MILPs
 MAX_EXPANDED = 200_000   # partial size vectors expanded before the search gives up (reported as a time limit)
 # Walks (CostModel.rank_memory, 1-2 ms each) one stage's listed layouts may take before the
 # stage is left to the pinned MILP: its floor can let through many a layout the walk refuses.
@@ -95,14 +95,14 @@ class _StageLayouts:
 
     a: int                        # the stage's first layer
     counts: np.ndarray            # (splits, columns): layers of each (run, choice)
-    time_s: np.ndarray
-    once_s: np.ndarray
-    host: np.ndarray
-    cols: tuple
-    next: int = 0
+    time_s: np.ndarray            # (splits,): time per micro-batch
+    once_s: np.ndarray            # (splits,): once-per-step work
+    host: np.ndarray              # (splits,): host bytes offloaded
+    cols: tuple                   # the columns' (run, choice), as StageFloor.cols
+    next: int = 0                 # the first split not yet looked at
     walks: int = 0                # splits checked by the walk so far
-    least_once: float = math.inf
-    frontier: list = field(default_factory=list)
+    least_once: float = math.inf  # the least once-per-step work of a split found to fit
+    frontier: list = field(default_factory=list)   # StageOption of each split found to fit and kept
 
 
 class StageSizeSearch:
