@@ -37,7 +37,7 @@ import numpy as np
 
 from . import lp
 from .cost import Candidate, CostModel, must_offload
-from .memory import moments, schedule_actions
+from .memory import LayerMemory, moments, schedule_actions
 from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 
 
@@ -47,6 +47,31 @@ MAX_EXPANDED = 200_000   # partial size vectors expanded before the search gives
 # stage is left to the pinned MILP: its floor can let through many a layout the walk refuses.
 # The most seen on bench/solve_real.py is 19.
 MAX_WALKS = 200
+
+
+def _backward_peak(x: LayerMemory, grads: bool) -> int:
+    return x.bwd_accum_peak if grads else x.bwd_peak
+
+
+# The figures of one layer (memory.LayerMemory) that a floor's single-layer terms take, by name;
+# `grads`: whether gradients exist at that moment (stage_floor says where each enters).
+FIGURES = {
+    # the stage's last layer's backward: its output, unsharded copy and backward peak
+    "last backward": lambda x, grads: x.output + x.unsharded + _backward_peak(x, grads),
+    # a first layer's backward, or its all-gather's copy-out, whichever is more
+    "own backward": lambda x, grads: x.output + x.unsharded + max(
+        _backward_peak(x, grads), x.gather_flat if x.gathers_in_backward else 0),
+    # what a layer keeps for its backward, its input aside
+    "activations": lambda x, grads: x.own + (x.output if x.keeps_output else 0),
+    # what its backward has not yet left (its gradients until they exist) and the copy it leaves
+    "left": lambda x, grads: x.unsharded_after_backward + (0 if grads else x.grads),
+    # the all-gather buffer of a layer gathered again for its backward (prefetched)
+    "backward gather": lambda x, grads: x.gather_flat if x.gathers_in_backward else 0,
+    # a first layer's forward: its activations, transient, unsharded copy and all-gather buffer
+    "forward": lambda x, grads: x.own + x.output + x.fwd_transient + x.unsharded + x.gather_flat,
+    # the unsharded copy a backward leaves
+    "left unsharded": lambda x, grads: x.unsharded_after_backward,
+}
 
 
 @dataclass(frozen=True)
@@ -124,6 +149,7 @@ class StageSizeSearch:
         self._fastest: dict = {}
         self._moment_cache: dict = {}
         self._layouts: dict = {}
+        self._figures: dict = {}
         self._programs: dict = {}
 
     # -- one stage ----------------------------------------------------------------------
@@ -163,17 +189,14 @@ class StageSizeSearch:
         if any(x.keeps_output for x in mem):
             lost_inputs += sum(only_input)
 
-        def activations(x):           # what a layer keeps for its backward, its input aside
-            return x.own + (x.output if x.keeps_output else 0)
-        kept = [activations(x) + alone for x, alone in zip(mem, only_input)]
+        kept = [FIGURES["activations"](x, False) + alone for x, alone in zip(mem, only_input)]
         limit = model.memory_limit
         rows = []
 
-        def at(offset: int, value, sign: int = 1) -> tuple:
-            """A term of the layer `offset` layers into the stage: its figure under each choice
-            (the choice it takes follows from the counts, in canonical order)."""
-            run = self.run_of[a + offset]
-            return offset, sign, tuple(value(self.cost[run, c].memory) for c in self.choices)
+        def at(offset: int, figure: str, grads: bool = False, sign: int = 1) -> tuple:
+            """A term of the layer `offset` layers into the stage: its FIGURES[figure] under each
+            choice (the choice it takes follows from the counts, in canonical order)."""
+            return offset, sign, self._figure(self.run_of[a + offset], figure, grads)
 
         def record(per_layer, room: float, *terms) -> None:
             rows.append((tuple(per_layer(st, x, k) for st, x, k in zip(states, mem, kept)), room, terms))
@@ -190,7 +213,7 @@ class StageSizeSearch:
             if last:
                 loss_peak, final = (lm.bwd_accum_peak if grads else lm.bwd_peak), ()
             else:
-                loss_peak, final = 0, (at(b - a, lambda x: x.output + x.unsharded + (x.bwd_accum_peak if grads else x.bwd_peak)),)
+                loss_peak, final = 0, (at(b - a, "last backward", grads),)
             record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
                    limit - static - held * one_mb - loss_peak, *final)
 
@@ -198,28 +221,21 @@ class StageSizeSearch:
             # held micro-batches whole, this one's buffers and what its first layers keep, every
             # other layer's gradients (all of them once gradients exist) and the unsharded
             # copies their backwards left.
-            def own(x):
-                return x.output + x.unsharded + max(x.bwd_accum_peak if grads else x.bwd_peak,
-                                                    x.gather_flat if x.gathers_in_backward else 0)
-
-            def left(x):
-                return x.unsharded_after_backward + (0 if grads else x.grads)
-
             def later(st, x, k):
                 return st + x.kept_unsharded + (held - 1) * k + x.grads + x.unsharded_after_backward
 
             room = limit - static - (held - 1) * one_mb - per_mb
-            record(later, room, at(0, own), at(0, activations), at(0, left, -1))
+            record(later, room, at(0, "own backward", grads), at(0, "activations"), at(0, "left", grads, -1))
             if b > a:
                 # The second layer's: the same, with the first layer's all-gather prefetched.
-                record(later, room, at(1, own), at(0, lambda x: x.gather_flat if x.gathers_in_backward else 0),
-                       at(0, activations), at(1, activations), at(0, left, -1), at(1, left, -1))
+                record(later, room, at(1, "own backward", grads), at(0, "backward gather"), at(0, "activations"),
+                       at(1, "activations"), at(0, "left", grads, -1), at(1, "left", grads, -1))
         for held, grads in self._moments(s, "F"):
             # The first layer's forward: every held micro-batch whole and, once gradients
             # exist, every gradient and every other layer's unsharded copy left by its backward.
-            terms = [at(0, lambda x: x.own + x.output + x.fwd_transient + x.unsharded + x.gather_flat)]
+            terms = [at(0, "forward")]
             if grads:
-                terms.append(at(0, lambda x: x.unsharded_after_backward, -1))
+                terms.append(at(0, "left unsharded", sign=-1))
             record(lambda st, x, k: st + x.kept_unsharded + held * k + ((x.grads + x.unsharded_after_backward) if grads else 0),
                    limit - static - held * one_mb, *terms)
         terms = model.time_terms(cand, 0.0, self.loss.micro_batch_s if last else 0.0,
@@ -234,6 +250,14 @@ class StageSizeSearch:
                            not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s))
         self._floors[key] = floor
         return floor
+
+    def _figure(self, run: int, figure: str, grads: bool) -> tuple[float, ...]:
+        """FIGURES[figure] of a layer of the run under each choice (kept: every stage of the
+        search asks for the same few)."""
+        key = (run, figure, grads)
+        if key not in self._figures:
+            self._figures[key] = tuple(FIGURES[figure](self.cost[run, c].memory, grads) for c in self.choices)
+        return self._figures[key]
 
     def _floor_key(self, s: int, a: int, b: int) -> tuple:
         """What stage s's floor and fastest time depend on, holding layers a..b: its runs'
