@@ -150,7 +150,6 @@ class StageSizeSearch:
         self._moment_cache: dict = {}
         self._layouts: dict = {}
         self._figures: dict = {}
-        self._programs: dict = {}
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
@@ -205,13 +204,13 @@ class StageSizeSearch:
         if any(x.step_grads is not None for x in mem):
             record(lambda st, x, k: st + x.grads + x.kept_unsharded + x.unsharded_after_backward, limit - static)
         lm = self.loss.memory
-        loss_kept = (lm.own + (lm.output if lm.keeps_output else 0)) if last else 0
+        loss_kept = FIGURES["activations"](lm, False) if last else 0
         one_mb = per_mb + loss_kept - lost_inputs        # a held micro-batch, less its per-layer part
 
         for held, grads in self._moments(s, "B"):
             # The last layer's backward (the loss's on the last stage): every held micro-batch whole.
             if last:
-                loss_peak, final = (lm.bwd_accum_peak if grads else lm.bwd_peak), ()
+                loss_peak, final = _backward_peak(lm, grads), ()
             else:
                 loss_peak, final = 0, (at(b - a, "last backward", grads),)
             record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
@@ -283,15 +282,21 @@ class StageSizeSearch:
             self._moment_cache[s, kind] = sorted((h, g) for g, h in most.items())
         return self._moment_cache[s, kind]
 
-    def fastest_stage_s(self, s: int, a: int, b: int) -> float:
+    def fastest_stage_s(self, s: int, a: int, b: int, tight: bool = False) -> float:
         """The least time per micro-batch of stage s holding layers a..b over the choices
         within its memory floor (inf: none is within it): every split of each run's layers
-        among its choices where there are few (numpy), else a linear relaxation."""
-        key = self._floor_key(s, a, b)
+        among its choices where there are few (numpy), else a linear relaxation, or with
+        `tight` the integer program (3-14 ms: worth it only before a pinned MILP of tenths of a
+        second, solve)."""
+        key = (self._floor_key(s, a, b), tight)
         if key not in self._fastest:
             floor = self.stage_floor(s, a, b)
-            least = self._fastest_by_splits(floor, a) if self._listable(floor) else self._fastest_by_relaxation(floor)
-            self._fastest[key] = floor.const_s + least
+            if self._listable(floor):              # the splits are exact: `tight` adds nothing
+                self._fastest[key] = (self.fastest_stage_s(s, a, b) if tight
+                                      else floor.const_s + self._fastest_by_splits(floor, a))
+            else:
+                least = self._fastest_by_program(floor) if tight else self._fastest_by_relaxation(floor)
+                self._fastest[key] = floor.const_s + least
         return self._fastest[key]
 
     def _listable(self, floor: StageFloor) -> bool:
@@ -359,19 +364,6 @@ class StageSizeSearch:
         bound = least_per_run(t + price[:, :, None] * w[:, None, :]) @ count - price * room[:, None]
         return float(bound.max())
 
-    def fastest_stage_by_program(self, s: int, a: int, b: int) -> float:
-        """fastest_stage_s with the integer program in place of the relaxation where the
-        splits are too many to list: a tighter floor at 3-14 ms, worth it only before a pinned
-        MILP of tenths of a second (solve)."""
-        key = self._floor_key(s, a, b)
-        if key not in self._programs:
-            floor = self.stage_floor(s, a, b)
-            if self._listable(floor):
-                self._programs[key] = self.fastest_stage_s(s, a, b)
-            else:
-                self._programs[key] = floor.const_s + self._fastest_by_program(floor)
-        return self._programs[key]
-
     def _fastest_by_program(self, floor: StageFloor) -> float:
         """The least time within the floor, the counts integral and each layer's own terms at
         their least (a small integer program)."""
@@ -388,14 +380,14 @@ class StageSizeSearch:
         return prob.objective_value() / 1e3 if status == "optimal" else math.inf
 
     def program_bound(self, sizes: tuple[int, ...]) -> float:
-        """The bound of a whole vector (as `vectors` gives it) with each stage's floor by
-        fastest_stage_by_program."""
+        """The bound of a whole vector (as `vectors` gives it) with each stage's floor by its
+        integer program (fastest_stage_s, tight)."""
         starts = list(itertools.accumulate((0, *sizes)))
-        times = [self.fastest_stage_by_program(s, starts[s], starts[s + 1] - 1) for s in range(self.S)]
+        times = [self.fastest_stage_s(s, starts[s], starts[s + 1] - 1, tight=True) for s in range(self.S)]
         if math.inf in times:
             return math.inf
         once = max(self.stage_floor(s, starts[s], starts[s + 1] - 1).once_s(t) for s, t in enumerate(times))
-        return sum(times) + (self.m - 1) * max(times) + once
+        return self.model.pipeline_step_s(self.m, 1, sum(times), max(times), once)
 
     # -- one stage exactly ----------------------------------------------------------------
     def stage_options(self, s: int, a: int, b: int, most_s: float) -> list[StageOption] | None:
@@ -405,9 +397,9 @@ class StageSizeSearch:
         where its splits are too many to list, or too many passed its floor and not the walk
         (MAX_WALKS). The same layouts the MILP describes (each run's layers take the choices
         in canonical order), so a layout of pinned stage sizes is the best combination of
-        these (solve_sizes). Splits are tried fastest first, each
-        only if its floor lets it and it would do less once per step than every faster one
-        that fits; made once per stage and extended as `most_s` grows."""
+        these (solve_sizes). Splits are tried fastest first, each only if its floor lets it
+        and it would do less once per step than every faster one that fits; made once per
+        stage and extended as `most_s` grows."""
         key = self._floor_key(s, a, b)
         state = self._layouts.get(key)
         if state is None:
@@ -451,9 +443,9 @@ class StageSizeSearch:
         each stage's options (stage_options), combined by the one figure they share, the
         fullest once-per-step work w: for each w, every stage takes its fastest option within
         w, since the step (sum T + (m - 1) max T + max O) grows with every T. None where a
-        stage cannot be enumerated, where the candidate must offload somewhere (a row across
-        stages), or where the best combination overfills a node's host memory: the pinned
-        MILP decides those."""
+        stage has no options list (stage_options), where the candidate must offload somewhere
+        (a row across stages), or where the best combination overfills a node's host memory:
+        the pinned MILP decides those."""
         if must_offload(self.cand, self.model.precision):
             return None
         m, starts = self.m, list(itertools.accumulate((0, *sizes)))

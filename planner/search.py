@@ -2,7 +2,8 @@
 
 A candidate fixes the parallel degrees (dp, tp, pp), the micro-batch size and count, the
 ZeRO stage and the pipeline schedule; `milp.solve_layout` then places layers, checkpointing
-and offload (a pipeline of one stage a rank: `partition.StageSizeSearch`, by its stage sizes). Candidates are visited in order of a lower bound on their step time (perfect
+and offload (a pipeline of one stage a rank: `partition.StageSizeSearch`, by its stage
+sizes). Candidates are visited in order of a lower bound on their step time (perfect
 balance, nothing recomputed or offloaded); once that bound reaches the K-th best step time
 found, no later candidate can enter the top K and the search stops. A candidate whose
 memory lower bound exceeds the limit is skipped as infeasible. Nothing is sampled.
