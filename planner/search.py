@@ -12,6 +12,7 @@ memory lower bound exceeds the limit is skipped as infeasible. Nothing is sample
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,7 +22,7 @@ from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .memory import interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
-from .partition import StageSizeSearch
+from .partition import StageSizeSearch, even_stage_sizes
 from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, tp_within_nodes, wraps_layers
 
 
@@ -500,10 +501,9 @@ def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple
 
 
 def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, str, bool]]]:
-    """Layers split evenly over the stages, every one with choice c."""
-    n, stages = model.profile.n_layers, cand.n_stages
-    bounds = [round(k * n / stages) for k in range(stages + 1)]
-    return [[(i, c.checkpoint, c.offload) for i in range(bounds[k], bounds[k + 1])] for k in range(stages)]
+    """Layers split evenly over the stages (even_stage_sizes), every one with choice c."""
+    bounds = list(itertools.accumulate(even_stage_sizes(model.profile.n_layers, cand.n_stages), initial=0))
+    return [[(i, c.checkpoint, c.offload) for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
 
 
 SEED_TRIED = 4   # seeding the cutoff: candidates tried per layout wanted (top K), in bound order
@@ -603,7 +603,13 @@ def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[
         return Layout("skipped", None, None), 0
     limit = FREE_TIME_LIMIT_S if opts.time_limit is None else min(FREE_TIME_LIMIT_S, opts.time_limit)
     return solve_layout(model, cand, choices, opts.solver, time_limit=limit, memory=False, cutoff=cutoff,
-                        run_choices=needed), 1
+                        run_choices=needed, stage_sizes=pinned_stage_sizes(model, cand)), 1
+
+
+def pinned_stage_sizes(model: CostModel, cand: Candidate) -> list[int] | None:
+    """The stage sizes a candidate's layouts must have: even under a multi-stage schedule
+    (partition.even_stage_sizes says why), free otherwise."""
+    return even_stage_sizes(model.profile.n_layers, cand.n_stages) if cand.virtual_stages > 1 else None
 
 
 def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveOptions, cutoff: float | None,
@@ -622,7 +628,7 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
         return StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
                                                                         lower_bound=lower_bound)
     return solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff,
-                        lower_bound=lower_bound), 1
+                        lower_bound=lower_bound, stage_sizes=pinned_stage_sizes(model, cand)), 1
 
 
 def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:

@@ -17,7 +17,7 @@ from planner.memory import in_flight, schedule_actions
 from planner.milp import choices_for, runs_of, solve_layout
 from planner import partition
 from planner.partition import StageSizeSearch
-from planner.search import SolveOptions, enumerate_candidates, fastest_choices, frugal_layout, search
+from planner.search import SolveOptions, enumerate_candidates, fastest_choices, frugal_layout, pinned_stage_sizes, search
 from tests.synthetic import add_tensor_parallel_samples, random_profile
 
 
@@ -44,10 +44,10 @@ def canonical(stage: list[int], picks: tuple, choices, signatures) -> bool:
     return True
 
 
-def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
+def brute_force(model: CostModel, cand: Candidate, choices, sizes: list[int] | None = None) -> float | None:
     """The fastest fitting layout of one candidate, by trying every (canonical) one: each pp
     rank's stages (one, or v interleaved) with every choice that fits the rank, then every
-    combination of ranks."""
+    combination of ranks (`sizes`: only stages of these sizes)."""
     n, pp, v, m = model.profile.n_layers, cand.pp, cand.virtual_stages, cand.num_micro_batches
     sigs = [l.signature for l in model.profile.layers]
     rank_cache = {}
@@ -75,6 +75,8 @@ def brute_force(model: CostModel, cand: Candidate, choices) -> float | None:
     best = None
     need_offload = cand.fsdp and cand.dp == 1 and model.precision != "mixed"
     for stages in partitions(n, pp * v):
+        if sizes is not None and [len(s) for s in stages] != sizes:
+            continue
         options = [rank_options(r, stages) for r in range(pp)]
         if any(not o for o in options):
             continue
@@ -175,10 +177,12 @@ def test_multi_stage_schedules_only_when_pinned():
     assert {c.schedule for c in cands(virtual_stages=2)} == {"interleaved"}
 
 
-def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_frugal: bool = False) -> int:
+def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_frugal: bool = False,
+                              even: bool = False) -> int:
     """The MILP's layout of each candidate is brute force's, under a limit between the
     smallest and the largest need (`above_frugal`: at least what the most frugal even split
-    needs, so that most fit); how many had one."""
+    needs, so that most fit; `even`: stage sizes pinned as the search pins them for several
+    stages a rank); how many had one."""
     n = prof.n_layers
     checked = 0
     for cand in cands:
@@ -188,11 +192,12 @@ def check_against_brute_force(rng, prof, cands, overlap, solver, offload, above_
         limit = int(everything.peak_bytes * rng.uniform(0.6, 1.0))
         if above_frugal:
             frugal = lo_hi.evaluate(cand, frugal_layout(lo_hi, cand, choices_for("auto", offload, cand.allow_offload)))
-            limit = int(frugal.peak_bytes + (everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
+            limit = int(frugal.peak_bytes + max(0, everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
         model = CostModel(prof, cpu_like(limit, overlap), 8, limit)
         choices = choices_for("auto", offload, cand.allow_offload)
-        layout = solve_layout(model, cand, choices, solver)
-        expected = brute_force(model, cand, choices)
+        sizes = pinned_stage_sizes(model, cand) if even else None
+        layout = solve_layout(model, cand, choices, solver, stage_sizes=sizes)
+        expected = brute_force(model, cand, choices, sizes)
         if expected is None:
             assert layout.stages is None, f"MILP found a layout for {cand} where none fits"
             continue
@@ -221,11 +226,13 @@ def pipeline_cases(seed: int, byte_scale: int):
         lo_hi = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
         everything = lo_hi.evaluate(cand, [[(i, False, False) for i in st] for st in next(partitions(n, cand.pp))])
         frugal = lo_hi.evaluate(cand, frugal_layout(lo_hi, cand, choices))
-        limit = int(frugal.peak_bytes + (everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
+        limit = int(frugal.peak_bytes + max(0, everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
         yield rng, prof, cand, choices, CostModel(prof, cpu_like(limit), 8, limit)
 
 
-@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(700, 712)] + [(k, 2**17) for k in range(720, 724)])
+# (GiB seed 720 lost its only fitting case when the frugal layout's even split changed, its
+# offloads then overfilling the host: 721-726 instead.)
+@pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(700, 712)] + [(k, 2**17) for k in range(721, 727)])
 def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
     """The search over stage sizes (planner.partition, how the search solves pipelines of one stage a rank)
     finds brute force's step, with and without a cutoff just above it (and "cut off" below it);
@@ -342,6 +349,32 @@ def test_milp_equals_brute_force_interleaved(seed, byte_scale, schedule):
     assert cands and all(c.schedule == schedule and c.virtual_stages == v for c in cands)
     rng.shuffle(cands)
     assert check_against_brute_force(rng, prof, cands[:2], None, "highs", opts.offload, above_frugal=True)
+    assert check_against_brute_force(rng, prof, cands[:2], None, "highs", opts.offload, above_frugal=True, even=True)
+
+
+def test_even_stage_sizes_split_the_remainder_from_both_ends():
+    for n, stages in ((82, 20), (82, 24), (80, 20), (5, 4), (7, 3), (9, 9), (100, 7)):
+        sizes = partition.even_stage_sizes(n, stages)
+        assert sum(sizes) == n and len(sizes) == stages and max(sizes) - min(sizes) <= 1
+        extra = [s for s, size in enumerate(sizes) if size > n // stages]
+        assert len(extra) == n % stages
+        # the ones with an extra layer are the first ceil(k/2) and the last floor(k/2)
+        k = n % stages
+        assert extra == list(range((k + 1) // 2)) + list(range(stages - k // 2, stages))
+    assert partition.even_stage_sizes(82, 20) == [5] + [4] * 18 + [5]     # NeMo's Llama 70B with VP 5
+
+
+def test_multi_stage_searches_split_layers_evenly():
+    """Under interleaved 1F1B and looped BFS every layout the search lists has even stage sizes
+    (partition.even_stage_sizes); one stage a rank stays free."""
+    rng = random.Random(11)
+    prof = random_profile(rng, 7, repeat_runs=True)
+    for schedule, gpus in (("interleaved", 4), ("looped_bfs", 2)):
+        result = search(prof, SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40), global_batch=8, pp=2, virtual_stages=3,
+                                           schedule=schedule))
+        assert result.solutions
+        for sol in result.solutions:
+            assert [len(st) for st in sol.stages] == partition.even_stage_sizes(7, 6)
 
 
 @pytest.mark.parametrize("seed, overlap", [(k, None) for k in range(400, 408)] + [(k, 1.0) for k in range(408, 416)])
