@@ -380,6 +380,16 @@ class Profile:
                     v = getattr(s, name)
                     if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (isinstance(v, float) and not math.isfinite(v)):
                         bad(f"layer {layer.index} at micro-batch {b} has {name} = {v!r}, not a non-negative number")
+        # What a layer hands on is what the next one takes: the cost model reads a pipeline
+        # boundary as the last layer's output, the layout MILP as the next layer's input (as
+        # the planner reads it: plain, split over TP_MEASURED ranks, and sequence-parallel).
+        for prev, layer in zip(self.layers, self.layers[1:]):
+            for b in self.batch_sizes:
+                for tp, sp in ((1, False), (TP_MEASURED, False), (TP_MEASURED, True)):
+                    out, into = prev.at_tp(b, tp, sp).output_bytes, layer.at_tp(b, tp, sp).input_bytes
+                    if out != into:
+                        split = "" if tp == 1 else f" over {tp} tensor-parallel ranks" + (" with sequence parallelism" if sp else "")
+                        bad(f"layer {prev.index} outputs {out} bytes at micro-batch {b}{split} but layer {layer.index} takes {into}")
 
     def save(self, path: str | Path) -> None:
         write_json_atomic(path, self.to_json())

@@ -193,6 +193,7 @@ def test_solve_profile_of_changed_model(small_profile, tmp_path):
     (lambda d: d.__setitem__("batch_sizes", [1, 2, 3]), "not at the profile's batch sizes [1, 2, 3]"),
     (lambda d: d["layers"][0].__setitem__("samples", {"x": {}}), "damaged or hand-edited"),
     (lambda d: d.__setitem__("threads", 0), "threads is 0"),
+    (lambda d: d["layers"][1]["samples"]["1"].__setitem__("input_bytes", 7), "outputs"),
     (lambda d: d.__setitem__("precision", "fp8"), "precision 'fp8'"),
     (lambda d: d.__setitem__("layers", []), "it has no layers"),
     (lambda d: d["layers"][0].__setitem__("param_count", -3), "param_count = -3"),
