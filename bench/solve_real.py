@@ -1,7 +1,8 @@
-"""How long free `plan solve`s of published model shapes take, at the sizes they trained at.
+"""How long `plan solve`s of published model shapes take, at the sizes they trained at.
 
 Each model is profiled once in fake mode (mixed precision, AdamW, micro-batches 1, 2, 4) from a
-Hugging Face config built here (nothing downloaded); each case then solves with every knob free,
+Hugging Face config built here (nothing downloaded); each case then solves with every knob free
+(or NeMo's 70B layout with its virtual stages pinned, the slowest solves of docs/hf-models.md),
 in a child process with a time limit, as `plan solve` would. Prints per case the wall time,
 the candidates, the memory-free MILPs, the candidates solved within the memory limit and the
 MILPs with memory rows that took (a pipeline of one stage a rank is solved by its stage sizes,
@@ -43,13 +44,17 @@ MODELS = {
     # Llama 3.1 405B (Meta's config): 126 layers, hidden 16384, 128 heads, 8 KV heads.
     "llama-405b-shaped": (llama(126, 16384, 128, 8, 53248, 128256, 8192), 8192, "h100-sxm-80g"),
 }
-CASES = [  # (model, GPUs, global batch)
-    ("llama-3-8b", 8, 256),
-    ("llama-3-8b", 8, 32),
-    ("llama-3-70b", 64, 256),
-    ("llama-3-70b", 512, 2048),
-    ("gpt3-175b-shaped", 1536, 1536),
-    ("llama-405b-shaped", 8192, 2048),
+NEMO_VP5 = dict(tp=4, pp=4, micro_batch=1, sequence_parallel="on", virtual_stages=5)   # docs/hf-models.md
+CASES = [  # (model, GPUs, global batch, pinned knobs: SolveOptions fields)
+    ("llama-3-8b", 8, 256, {}),
+    ("llama-3-8b", 8, 32, {}),
+    ("llama-3-70b", 64, 256, {}),
+    ("llama-3-70b", 512, 2048, {}),
+    ("gpt3-175b-shaped", 1536, 1536, {}),
+    ("llama-405b-shaped", 8192, 2048, {}),
+    # NeMo's 70B layouts with its virtual stages, pinned as docs/hf-models.md solves them
+    ("llama-3-70b", 64, 256, dict(dp=4, **NEMO_VP5)),
+    ("llama-3-70b", 512, 2048, dict(dp=32, **NEMO_VP5)),
 ]
 
 SOLVE = """
@@ -59,7 +64,7 @@ from planner.hardware import get_hardware
 from planner.search import SolveOptions, search
 from profiles.schema import load_profile
 prof = load_profile({profile!r})
-opts = SolveOptions(gpus={gpus}, hardware=get_hardware({hw!r}), global_batch={batch}, top_k=5)
+opts = SolveOptions(gpus={gpus}, hardware=get_hardware({hw!r}), global_batch={batch}, top_k=5, **{pins!r})
 t = time.perf_counter()
 r = search(prof, opts)
 best = r.solutions[0] if r.solutions else None
@@ -96,9 +101,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, gpus, batch in CASES:
+        for name, gpus, batch, pins in CASES:
             prof = profile(name, Path(tmp))
-            code = SOLVE.format(root=str(ROOT), profile=str(prof), gpus=gpus, hw=MODELS[name][2], batch=batch)
+            code = SOLVE.format(root=str(ROOT), profile=str(prof), gpus=gpus, hw=MODELS[name][2], batch=batch, pins=pins)
             t = time.perf_counter()
             try:
                 proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=args.limit)
@@ -108,20 +113,22 @@ def main() -> None:
                        "step_s": None}
             wall = f"{res['seconds']:.2f}" if res["seconds"] is not None else f"> {args.limit:.0f} (stopped)"
             step = f"{res['step_s']:.3f}" if res["step_s"] else "-"
-            rows.append((name, str(gpus), str(batch), wall, str(res["candidates"]), str(res["free_solved"]),
+            pinned = " ".join(f"{k}={v}" for k, v in pins.items()) or "free"
+            rows.append((name, str(gpus), str(batch), pinned, wall, str(res["candidates"]), str(res["free_solved"]),
                          str(res["solved"]), str(res["milps"]), res["layout"], step))
             print(" | ".join(rows[-1]), f"({time.perf_counter() - t:.0f} s)", flush=True)
-    head = ("| model | GPUs | global batch | solve s | candidates | memory-free MILPs | solved with memory "
+    head = ("| model | GPUs | global batch | knobs | solve s | candidates | memory-free MILPs | solved with memory "
             "| memory MILPs | layout | step s |")
-    md = [head, "|" + "---|" * 10] + ["| " + " | ".join(r) + " |" for r in rows]
+    md = [head, "|" + "---|" * 11] + ["| " + " | ".join(r) + " |" for r in rows]
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "solve_real.md"
     history = path.read_text().split(HISTORY, 1)[1] if path.exists() and HISTORY in path.read_text() else "\n"
     path.write_text(
-        f"# Free solves of published shapes\n\n`python bench/solve_real.py --limit {args.limit:.0f}` on "
+        f"# Solves of published shapes\n\n`python bench/solve_real.py --limit {args.limit:.0f}` on "
         f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: fake profiles (mixed precision, AdamW), every "
-        "knob free, top 5; wall seconds of `search`.\n\n" + "\n".join(md) + "\n\n" + HISTORY + history)
+        "knob free but those pinned (NeMo's virtual stages, as docs/hf-models.md solves them), top 5; wall "
+        "seconds of `search`.\n\n" + "\n".join(md) + "\n\n" + HISTORY + history)
     print("\n".join(md))
 
 
