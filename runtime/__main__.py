@@ -29,7 +29,7 @@ from planner.run_report import RankReport, RunReport
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 
 from . import checkpoint
-from .api import agent_store, apply_plan, init_distributed
+from .api import agent_store, apply_plan, init_distributed, leave
 from .checkpoint import CheckpointError, CheckpointInfo
 from .config import ConfigError, TrainConfig, add_train_args, load_config
 from .data import batch_source
@@ -356,10 +356,4 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's teardown: gloo's worker threads can still hold tensors
-    # then, and releasing them during finalisation aborts the process now and then
-    # ("terminate called without an active exception") after a run that went well.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())

@@ -13,7 +13,6 @@ seconds here, a run a fraction of that.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from planner.plan import load_plan
 from profiles.model_file import load_spec
 from runtime import checkpoint
-from runtime.api import apply_plan
+from runtime.api import apply_plan, leave
 from runtime.config import TrainConfig
 from runtime.data import batch_source
 from runtime.parallel_dims import ParallelDims
@@ -60,9 +59,4 @@ def main(jobs_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # As the runtime leaves (runtime/__main__.py): without the interpreter's teardown, where
-    # gloo's worker threads abort a process now and then after a run that went well
-    # ("terminate called without an active exception": 40 runtime tests of one CI run, 2026-12-02).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()                      # as the runtime does (runtime.api.leave says why)
