@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the repository, when run as a script
 
 from runtime import checkpoint                                          # noqa: E402
-from runtime.api import apply_plan, init_distributed, load_plan          # noqa: E402
+from runtime.api import apply_plan, init_distributed, leave, load_plan   # noqa: E402
 
 import gpt                                                               # noqa: E402  (this folder's model)
 
@@ -87,6 +87,7 @@ def main() -> None:
     if args.losses and dist.get_rank() == 0:
         Path(args.losses).write_text("".join(f"{x!r}\n" for x in losses))
     dist.destroy_process_group()
+    leave()              # not the interpreter's teardown, which gloo's threads can abort (runtime.api.leave)
 
 
 if __name__ == "__main__":
