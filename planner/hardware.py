@@ -634,8 +634,10 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
 _CPU_SCRIPT = "`plan calibrate --device cpu --processes 2,4` (2026-12-01, torch 2.13 CPU, 1 intra-op thread per process)"
 _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM, 2 vCPU, 23.5 GiB) with {_CPU_SCRIPT}"
 # Collectives between CPU processes as a step sees them (plan calibrate): each timed as what it
-# adds to a slice of compute before it, every process busy; fit latency + bytes / bandwidth and
-# its worst relative miss over 1 KiB..8 MiB. 4 processes on 2 cores pay several ms per collective.
+# adds to a slice of compute before it, every process busy (broadcasts and sends, which run back
+# to back, in a chain of them: their rows are from a later run, 2026-12-03, the same command);
+# fit latency + bytes / bandwidth and its worst relative miss over 1 KiB..8 MiB. 4 processes on
+# 2 cores pay several ms per collective.
 _CPU_COLLECTIVES = (
     CollectiveFit("all_gather", 2, 2, 0.001479, 1.194e+09, 0.28),
     CollectiveFit("all_gather", 2, 4, 0.00183, 8.004e+08, 0.53),
@@ -643,14 +645,14 @@ _CPU_COLLECTIVES = (
     CollectiveFit("all_reduce", 2, 2, 0.002049, 1.282e+09, 0.42),
     CollectiveFit("all_reduce", 2, 4, 0.003234, 8.873e+08, 0.44),
     CollectiveFit("all_reduce", 4, 4, 0.006695, 9.507e+08, 0.08),
-    CollectiveFit("broadcast", 2, 2, 0.0001849, 4.058e+09, 0.89),
-    CollectiveFit("broadcast", 2, 4, 0.000686, 2.085e+09, 0.63),
-    CollectiveFit("broadcast", 4, 4, 0.001105, 2.317e+09, 0.38),
+    CollectiveFit("broadcast", 2, 2, 8.073e-05, 4.16e+09, 0.58),
+    CollectiveFit("broadcast", 2, 4, 0.000366, 2.885e+09, 0.29),
+    CollectiveFit("broadcast", 4, 4, 0.000729, 1.81e+09, 0.06),
     CollectiveFit("reduce_scatter", 2, 2, 0.002482, 9.308e+08, 0.30),
     CollectiveFit("reduce_scatter", 2, 4, 0.003786, 6.693e+08, 0.20),
     CollectiveFit("reduce_scatter", 4, 4, 0.008804, 9.65e+08, 0.11),
-    CollectiveFit("send_recv", 2, 2, 0.0004674, 8.938e+09, 0.62),
-    CollectiveFit("send_recv", 2, 4, 0.001162, 2.916e+09, 0.58),
+    CollectiveFit("send_recv", 2, 2, 7.027e-05, 3.878e+09, 0.24),
+    CollectiveFit("send_recv", 2, 4, 0.000313, 1.89e+09, 0.71),
 )
 
 PRESETS: dict[str, Hardware] = {

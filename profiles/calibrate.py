@@ -37,6 +37,11 @@ from typing import Callable
 from planner.hardware import PRESETS, CollectiveFit, Hardware
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 23)   # bytes of the whole tensor
+# Collectives timed back to back run in chains of this many. In chains of 4 a 4-rank gloo
+# broadcast's fitted latency was 1.1 ms in one run and 0.33 and 0.85 ms in two others on the
+# 2-core machine (worst misses of the fit 35-83%), in chains of 32 0.78 and 0.67 ms (19%), where
+# the ZeRO-1 steps of bench/time_fidelity.py measured 0.6-0.8 ms a broadcast (2026-12-03).
+BACK_TO_BACK = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,10 +182,12 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                     sync()
 
                 # Back to back: what the collective alone costs, all that is timed for broadcasts
-                # (ZeRO-1 issues them back to back after the optimizer step) and for a pipeline's
-                # asynchronous sends. The others run between slices of a layer's compute, where
-                # they cost what they add to it, never less than alone.
-                alone = _time_in_step(op, lambda: None, barrier, repeats)
+                # (ZeRO-1 issues them back to back after the optimizer step, one per parameter
+                # chunk) and for a pipeline's asynchronous sends. A chain of BACK_TO_BACK, so
+                # that how unevenly ranks leave the barrier is spread as it is over ZeRO-1's
+                # hundreds. The others run between slices of a layer's compute, where they cost
+                # what they add to it, never less than alone.
+                alone = _time_in_step(op, lambda: None, barrier, repeats, rounds=BACK_TO_BACK)
                 in_step = 0.0
                 if kind not in ("broadcast", "send_recv"):
                     in_step = _time_in_step(op, compute, barrier, repeats) - _time_in_step(None, compute, barrier, repeats)
