@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
+from planner.partition import even_stage_sizes  # noqa: E402
 from planner.plan import load_plan, wraps_layers  # noqa: E402
 from planner.search import Solution, SolveOptions  # noqa: E402
 from planner.run_report import load_run  # noqa: E402
@@ -93,11 +94,11 @@ CASES = [
 
 
 def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
-    """Even contiguous stages; 'some' = every other layer from the second."""
-    k = case.pp * case.v
-    per = [n // k + (1 if s < n % k else 0) for s in range(k)]
+    """Contiguous stages split as the planner splits a pipeline of several stages a rank
+    (partition.even_stage_sizes: the remainder to the end stages, which also hold the embedding
+    and the head); 'some' = every other layer from the second."""
     out, i = [], 0
-    for count in per:
+    for count in even_stage_sizes(n, case.pp * case.v):
         st = []
         for _ in range(count):
             ck = {"all": "full", "selective": "selective", "mixed": "full" if i % 2 else "selective",

@@ -11,7 +11,7 @@ profiled step beside the prediction; per model, the median and worst error,
 the rank correlation of predicted and measured times, and the free choice's measured time
 over the fastest layout's.
 
-    python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME]  # writes bench/results/NAME.{md,csv} (time_fidelity)
+    python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME] [--keep DIR]  # writes bench/results/NAME.{md,csv} (time_fidelity)
 """
 
 from __future__ import annotations
@@ -123,10 +123,14 @@ def main() -> None:
     ap.add_argument("--models", default="gpt,mlp,llama")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="time_fidelity", help="name of the table in bench/results/ (.md and .csv)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the profiles, plans and run.json files in this folder (to evaluate the cost model again on them)")
     args = ap.parse_args()
     rows = []
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
+        workdir = args.keep or Path(tmp)
         for model in args.models.split(","):
             prof, prof_path = profile(model, workdir)
             plans = plans_for(model, prof, prof_path, workdir)
