@@ -183,13 +183,14 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
 
                 # Back to back: what the collective alone costs, all that is timed for broadcasts
                 # (ZeRO-1 issues them back to back after the optimizer step, one per parameter
-                # chunk) and for a pipeline's asynchronous sends. A chain of BACK_TO_BACK, so
-                # that how unevenly ranks leave the barrier is spread as it is over ZeRO-1's
-                # hundreds. The others run between slices of a layer's compute, where they cost
-                # what they add to it, never less than alone.
-                alone = _time_in_step(op, lambda: None, barrier, repeats, rounds=BACK_TO_BACK)
+                # chunk) and for a pipeline's asynchronous sends: in a chain of BACK_TO_BACK, so
+                # that how unevenly ranks leave the barrier is spread as over ZeRO-1's hundreds.
+                # The others run between slices of a layer's compute, where they cost what they
+                # add to it, never less than alone (a chain of 4 for that floor).
+                timed_alone = kind in ("broadcast", "send_recv")
+                alone = _time_in_step(op, lambda: None, barrier, repeats, rounds=BACK_TO_BACK if timed_alone else 4)
                 in_step = 0.0
-                if kind not in ("broadcast", "send_recv"):
+                if not timed_alone:
                     in_step = _time_in_step(op, compute, barrier, repeats) - _time_in_step(None, compute, barrier, repeats)
                 t = torch.tensor([alone, in_step], dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)            # the slowest rank's view is the cost
