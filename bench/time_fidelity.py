@@ -12,6 +12,11 @@ the rank correlation of predicted and measured times, and the free choice's meas
 over the fastest layout's.
 
     python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME] [--keep DIR]  # writes bench/results/NAME.{md,csv} (time_fidelity)
+    python bench/time_fidelity.py --again DIR --out NAME   # today's cost model against the runs kept in DIR, nothing run
+
+`--again` predicts every layout kept in DIR (by `--keep`) again from its kept profile and
+compares it with the same measured runs: a change to the cost model is judged without the
+noise of new runs and new profiles (these shared cores move both by 10-25% between runs).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from planner.search import Solution, SolveOptions, search  # noqa: E402
 from planner.run_report import load_run  # noqa: E402
 from planner.verify import MEASURED_COMPONENTS, compare, compare_time  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
+from profiles.schema import load_profile  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 10            # 1 warm-up, 1 memory, 7 timed, 1 under the profiler
@@ -118,6 +124,76 @@ def run(plan_path: Path, k: int) -> dict:
     return load_run(run_path)
 
 
+def row(model: str, name: str, k: int, plan_path: Path, doc) -> dict:
+    """One run of one layout: predicted (the plan's) and measured step, and both by component."""
+    plan = load_plan(plan_path)
+    comps, _ = compare_time(plan, doc)
+    return {"model": model, "layout": name, "run": k, "predicted_s": plan.predicted.step_time_s, "measured_s": doc.step_s,
+            **{f"pred_{c.component}_s": c.predicted for c in comps},
+            **{f"meas_{c.component}_s": c.measured for c in comps}}
+
+
+def run_grid(models: list[str], runs: int, keep: Path | None) -> list[dict]:
+    rows = []
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = keep or Path(tmp)
+        for model in models:
+            prof, prof_path = profile(model, workdir)
+            plans = plans_for(model, prof, prof_path, workdir)
+            for k in range(runs):          # runs interleaved, so slow drift hits every layout alike
+                for name, path, _ in plans:
+                    t = time.perf_counter()
+                    doc = run(path, k)
+                    compare(load_plan(path), path, doc)     # the run is this plan's (its hash), or one sentence
+                    rows.append(row(model, name, k, path, doc))
+                    print(f"{model:5s} {name:40s} run {k}: predicted {rows[-1]['predicted_s']:.4f} s, "
+                          f"measured {rows[-1]['measured_s']:.4f} s ({time.perf_counter() - t:.0f} s)", flush=True)
+    return rows
+
+
+def layout_of(plan) -> tuple[Candidate, list[list[tuple[int, str, bool]]]]:
+    """A plan's candidate and per-stage (layer, checkpoint, offload), as plans_for and the search make them."""
+    offload = any(lc.offload for st in plan.stages for lc in st.layers)
+    cand = Candidate(plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_micro_batches, plan.zero, plan.schedule,
+                     plan.wrapped_layout, offload, plan.virtual_stages, plan.sequence_parallel)
+    return cand, [[(lc.index, lc.checkpoint, lc.offload) for lc in st.layers] for st in plan.stages]
+
+
+def evaluate_again(models: list[str], kept: Path) -> list[dict]:
+    """The layouts kept in `kept` predicted by today's cost model from their kept profiles,
+    beside their kept runs."""
+    rows = []
+    hw = get_hardware("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            prof_path = kept / f"{model}.profile.json"
+            if not prof_path.exists():
+                raise SystemExit(f"{prof_path} is missing; keep a run with `--keep {kept}` first.")
+            prof = load_profile(prof_path)
+            cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
+            opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
+            named = [(case.name, f"{model}-{case.name.replace(' ', '_')}") for case in GRID]
+            free = load_plan(kept / f"{model}-free.json")
+            free_cand, free_stages = layout_of(free)
+            named.append((f"free choice: {free_cand.describe()}", f"{model}-free"))
+            best = search(prof, opts).solutions[0]
+            if (best.candidate, best.stages) != (free_cand, free_stages):
+                print(f"{model}: today's model would choose {best.candidate.describe()}, not the kept free choice")
+            for name, stem in named:
+                plan_path = kept / f"{stem}.json"
+                if not plan_path.exists():
+                    continue                     # a grid layout this model does not admit
+                cand, stages = layout_of(load_plan(plan_path))
+                again = Path(tmp) / f"{stem}.json"
+                sol = Solution(cand, stages, cost.evaluate(cand, stages))
+                build_plan(sol, [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(again)).save(again)
+                for run_path in sorted(kept.glob(f"{stem}.run*.json")):
+                    rows.append(row(model, name, int(run_path.suffixes[-2][4:]), again, load_run(run_path)))
+    return sorted(rows, key=lambda r: (models.index(r["model"]), r["run"]))     # as run_grid orders them
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt,mlp,llama")
@@ -125,27 +201,13 @@ def main() -> None:
     ap.add_argument("--out", default="time_fidelity", help="name of the table in bench/results/ (.md and .csv)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="keep the profiles, plans and run.json files in this folder (to evaluate the cost model again on them)")
+    ap.add_argument("--again", type=Path, default=None,
+                    help="run nothing: predict the layouts kept in this folder again and compare with their kept runs")
     args = ap.parse_args()
-    rows = []
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.keep or Path(tmp)
-        for model in args.models.split(","):
-            prof, prof_path = profile(model, workdir)
-            plans = plans_for(model, prof, prof_path, workdir)
-            for k in range(args.runs):          # runs interleaved, so slow drift hits every layout alike
-                for name, path, predicted in plans:
-                    t = time.perf_counter()
-                    doc = run(path, k)
-                    plan = load_plan(path)
-                    _, (_, measured) = compare(plan, path, doc)
-                    comps, _ = compare_time(plan, doc)
-                    rows.append({"model": model, "layout": name, "run": k, "predicted_s": predicted, "measured_s": measured,
-                                 **{f"pred_{c.component}_s": c.predicted for c in comps},
-                                 **{f"meas_{c.component}_s": c.measured for c in comps}})
-                    print(f"{model:5s} {name:40s} run {k}: predicted {predicted:.4f} s, measured {measured:.4f} s "
-                          f"({time.perf_counter() - t:.0f} s)", flush=True)
+    models = args.models.split(",")
+    rows = evaluate_again(models, args.again) if args.again else run_grid(models, args.runs, args.keep)
+    if args.again:
+        args.runs = max(r["run"] for r in rows) + 1
     raw = pd.DataFrame(rows)
     comp_cols = [c for c in raw.columns if c.startswith(("pred_", "meas_"))]
     agg = raw.groupby(["model", "layout"], sort=False).agg(
@@ -178,8 +240,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     raw.to_csv(out / f"{args.out}.csv", index=False)
     comps = MEASURED_COMPONENTS
-    md = [f"# Time fidelity\n\n`python bench/time_fidelity.py --models {args.models} --runs {args.runs}` on {os.cpu_count()} CPU cores, "
-          f"{time.strftime('%Y-%m-%d')}: every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
+    how = (f"--models {args.models} --again {args.again}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
+           f"the runs kept in {args.again} (nothing run again), predicted by today's cost model from their kept profiles; "
+           if args.again else
+           f"--models {args.models} --runs {args.runs}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: ")
+    md = [f"# Time fidelity\n\n`python bench/time_fidelity.py {how}every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
           f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "
           "their median of 7 timed steps; "
           "spread = (max - min) / median over the runs.\n",
