@@ -21,8 +21,9 @@ How each knob is costed (it mirrors what runtime/ does):
 - pipeline parallelism: per stage, the schedule's order of forwards and backwards (see
   memory.schedule_actions); the stage input and output of every in-flight micro-batch are
   held; the step takes every stage's time per micro-batch once plus m - 1 times the
-  slowest stage's (pipeline_step_s, Alpa's formula; time_terms: each boundary adds the
-  hardware's pipeline overhead and the activation's bytes both ways).
+  slowest stage's (pipeline_step_s, Alpa's formula; time_terms: every stage adds the
+  hardware's pipeline overhead for its forward and its backward, and each boundary the
+  activation's bytes both ways).
 - CPU processes: a rank's compute is slowed where more ranks are busy than the cores run at
   full speed (compute_scale); FSDP2 units add their measured hooks and copies.
 - checkpointing: the layer's figures under its mode (full: keeps its input, runs the whole
@@ -516,13 +517,19 @@ class CostModel:
     def time_terms(self, cand: Candidate, layers_s, loss_s, sent_bytes, boundaries, step_s, sync_s, compute_s) -> "TimeTerms":
         """A stage's time from sums over its layers, the one definition of it: the cost model
         passes numbers, the MILP passes affine expressions of its variables (hence only + and
-        *). Per micro-batch: its layers, the loss, and at each pipeline boundary the activation
-        sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
+        *). Per micro-batch: its layers, the loss, the pipeline schedule's overhead, and at each
+        pipeline boundary the activation sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
         the gradient collectives that half the backward may hide."""
         lat, per_byte = self.collective_terms("send_recv", 2, cand, span=cand.dp * cand.tp * 2) if cand.pp > 1 else (0.0, 0.0)
-        # A measured pipeline overhead (plan calibrate) includes the small send's latency.
-        lat = self.hw.pipeline_overhead_s if self.hw.pipeline_overhead_s > 0 else 2 * lat
-        return TimeTerms(per_micro_batch=layers_s + loss_s + boundaries * lat + 2 * sent_bytes * per_byte,
+        if self.hw.pipeline_overhead_s > 0:
+            # Measured (plan calibrate), per action: every stage of a pipeline runs a forward and
+            # a backward a micro-batch, at either end as in the middle; the small send's and
+            # receive's latency is in it. (Counted per boundary it gave the end stages half of
+            # theirs, and the CPU time bench's pipelines were 5-30% under their runs.)
+            fixed = 2 * self.hw.pipeline_overhead_s if boundaries else 0.0
+        else:
+            fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back
+        return TimeTerms(per_micro_batch=layers_s + loss_s + fixed + 2 * sent_bytes * per_byte,
                          step=step_s, sync_minus_window=sync_s - self.sync_hidden_share * compute_s)
 
     @property

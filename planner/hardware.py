@@ -172,7 +172,7 @@ class Hardware:
     matmul_knee: int = 1             # a matmul dimension d reaches d / (d + knee) of that (tile and wave quantisation)
     attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
-    pipeline_overhead_s: float = 0.0  # per micro-batch and stage boundary: the schedule's bookkeeping and a small send and receive
+    pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 
@@ -864,7 +864,7 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "not used on CPU: layers are timed where they run",
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
             "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
-                                    "8 micro-batches: step / (m + pp - 1) / 2 boundaries"),
+                                    "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot)"),
         },
     ),
 }

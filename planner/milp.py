@@ -140,14 +140,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     fastest_in_run = [min(cost[r, c].micro_batch_s for c in open_to[r]) for r in range(R)]
 
     # Under a cutoff, no rank of a layout that meets it is slower per micro-batch than
-    # tau_most: the step is at least every layer's fastest time, the loss and the boundaries'
-    # latency once (over v), plus m - 1/v times the slowest rank (CostModel.pipeline_step_s).
+    # tau_most: the step is at least every layer's fastest time, the loss and every stage's
+    # pipeline overhead once (over v), plus m - 1/v times the slowest rank (CostModel.pipeline_step_s).
     # So no stage holds more of a run than tau_most over the run's fastest layer allows. As
     # bounds on the variables these shrink every big-M the rows derive from them.
     tau_most = None
     if cutoff is not None and m - 1 / v > 0:
-        one_boundary = model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch if S > 1 else 0.0
-        least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.micro_batch_s + 2 * (S - 1) * one_boundary
+        overheads = sum(model.time_terms(cand, 0.0, 0.0, 0, (s > 0) + (s < S - 1), 0.0, 0.0, 0.0).per_micro_batch
+                        for s in range(S)) if S > 1 else 0.0     # every stage's, with nothing sent
+        least = sum(length * t for (_, length), t in zip(runs, fastest_in_run)) + loss.micro_batch_s + overheads
         tau_most = (cutoff * (1 + CUTOFF_SLACK) - least / v) / (m - 1 / v)
 
     def most(r: int, s: int) -> int:

@@ -252,17 +252,17 @@ def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repea
 
 
 def measure_pipeline_overhead(processes: int, micro_batches: int = 8, repeats: int = 10) -> float:
-    """Seconds per micro-batch and stage boundary that a pipeline costs beside its compute and
-    its transfers' bytes: a 1F1B schedule over `processes` stages of a 16 x 16 linear layer;
-    its step is (m + pp - 1) slots, each a middle stage's forward and backward, with two
-    boundaries, so the figure is step / (m + pp - 1) / 2 (per boundary, at 2 stages: / 1)."""
+    """Seconds per micro-batch and action (a stage's forward or its backward) that a pipeline
+    costs beside its compute and its transfers' bytes: a 1F1B schedule over `processes` stages
+    of a 16 x 16 linear layer; its step is (m + pp - 1) slots, each a stage's forward and
+    backward, so the figure is step / (m + pp - 1) / 2."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, queue), nprocs=processes, join=True)
     step = queue.get()
-    return step / (micro_batches + processes - 1) / (2 if processes > 2 else 1)
+    return step / (micro_batches + processes - 1) / 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         on_progress(f"a pipeline of {max(processes)} stages")
         put("pipeline_overhead_s", measure_pipeline_overhead(max(processes)),
             f"a 1F1B schedule over {max(processes)} stages of a 16x16 linear layer, 8 micro-batches: "
-            "step / (m + pp - 1) / 2 boundaries")
+            "step / (m + pp - 1) / 2 actions (a forward and a backward a slot)")
     fits = fit_collectives(rows)
     for f in fits:
         notes.append(f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s "
