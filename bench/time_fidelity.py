@@ -179,7 +179,7 @@ def evaluate_again(models: list[str], kept: Path) -> list[dict]:
             free_cand, free_stages = layout_of(free)
             named.append((f"free choice: {free_cand.describe()}", f"{model}-free"))
             best = search(prof, opts).solutions[0]
-            if (best.candidate, best.stages) != (free_cand, free_stages):
+            if (best.candidate.describe(), best.stages) != (free_cand.describe(), free_stages):
                 print(f"{model}: today's model would choose {best.candidate.describe()}, not the kept free choice")
             for name, stem in named:
                 plan_path = kept / f"{stem}.json"
