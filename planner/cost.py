@@ -217,7 +217,8 @@ class CostModel:
 
     def _layer_key(self, cand: Candidate):
         """What a layer's cost depends on: not the schedule, and the micro-batch count and
-        stages a rank only through compute_scale (CPU processes sharing cores). Candidates that
+        stages a rank only through busy_ranks (CPU processes sharing cores: compute_scale and
+        the collectives' fits). Candidates that
         differ in those alone share their layers' costs (a search visits hundreds of such
         candidates)."""
         return (cand.dp, cand.tp, cand.sequence_parallel, cand.pp, cand.micro_batch_size, cand.zero, cand.fsdp,
@@ -371,23 +372,32 @@ class CostModel:
             return s.sac_recompute_s
         return fwd_s * s.sac_recompute_s / s.fwd_s
 
+    def busy_ranks(self, cand: Candidate) -> list[float]:
+        """How many of the node's ranks work at once in each slot of a step (CPU processes,
+        which share the node's cores). A pipeline's ranks are not all busy at once: in each of
+        the step's m + pp - 1 slots (stages of equal time), min(k + 1, pp, m, m + pp - 1 - k)
+        stages of each pipeline work, dp x tp ranks each. With v stages a rank the slots are a
+        chunk's, m v + pp - 1 of them, so ranks are busy together more of the step (the
+        interleaved pipeline's smaller bubble). Without pipelining every rank, every slot."""
+        m, pp = cand.num_micro_batches * cand.virtual_stages, cand.pp
+        key = ("busy", m, pp, cand.world_size)
+        if key not in self._cache:
+            ranks = min(cand.world_size, self.gpus_per_node)
+            slots = m + pp - 1
+            per_stage = ranks / pp                # ranks of one stage on the node (dp x tp)
+            self._cache[key] = [min(k + 1, pp, m, slots - k) * per_stage for k in range(slots)]
+        return self._cache[key]
+
     def compute_scale(self, cand: Candidate) -> float:
         """How much slower a rank computes than the profile measured (one process alone), on
         CPU processes that share the node's cores: ranks beyond the cores that run at full
-        speed at once (host_cores) share them. A pipeline's ranks are not all busy at once:
-        in each of the step's m + pp - 1 slots (stages of equal time), min(k + 1, pp, m,
-        m + pp - 1 - k) stages of each pipeline work, dp x tp ranks each; the scale is the
-        mean over the slots of max(1, busy ranks / cores). With v stages a rank the slots are
-        a chunk's, m v + pp - 1 of them, so ranks are busy together more of the step (the
-        interleaved pipeline's smaller bubble). On GPUs ranks share no cores (1)."""
+        speed at once (host_cores) share them; the mean over the step's slots (busy_ranks) of
+        max(1, busy ranks / cores). On GPUs ranks share no cores (1)."""
         if self.hw.device_type != "cpu":
             return 1.0
-        m, pp = cand.num_micro_batches * cand.virtual_stages, cand.pp
-        ranks = min(cand.world_size, self.gpus_per_node)
-        cores = min(ranks, self.hw.host_cores)
-        slots = m + pp - 1
-        per_stage = ranks / pp                    # ranks of one stage on the node (dp x tp)
-        return sum(max(1.0, min(k + 1, pp, m, slots - k) * per_stage / cores) for k in range(slots)) / slots
+        busy = self.busy_ranks(cand)
+        cores = min(min(cand.world_size, self.gpus_per_node), self.hw.host_cores)
+        return sum(max(1.0, b / cores) for b in busy) / len(busy)
 
     def collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None = None) -> tuple[float, float]:
         """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
@@ -397,6 +407,14 @@ class CostModel:
         neighbour is dp x tp ranks away)."""
         if group <= 1:
             return 0.0, 0.0
+        if self.hw.device_type == "cpu" and self.hw.collectives:
+            # Each fit was measured with a number of processes busy; a pipeline keeps fewer busy
+            # some of the step (busy_ranks), as compute_scale counts: the mean over the slots
+            # of the fit for as many busy (the kept runs of bench/time_fidelity.py: pp 2 x tp 2,
+            # whose TP collectives then cost 2 ranks' figures 2 slots in 5, +42% -> +28% at worst).
+            fits = [self.hw.collective(kind, group, max(group, busy)) for busy in self.busy_ranks(cand)]
+            if all(fits):
+                return (sum(f.latency_s for f in fits) / len(fits), sum(1.0 / f.bandwidth for f in fits) / len(fits))
         fit = self.hw.collective(kind, group, min(cand.world_size, self.gpus_per_node))
         if fit is not None:
             return fit.latency_s, 1.0 / fit.bandwidth
