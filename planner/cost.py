@@ -543,7 +543,7 @@ class CostModel:
             # Measured (plan calibrate), per action: every stage of a pipeline runs a forward and
             # a backward a micro-batch, at either end as in the middle; the small send's and
             # receive's latency is in it. (Counted per boundary it gave the end stages half of
-            # theirs, and the CPU time bench's pipelines were 5-30% under their runs.)
+            # theirs, and the CPU time bench's pipelines were 5-35% under their runs.)
             fixed = 2 * self.hw.pipeline_overhead_s if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back

@@ -103,6 +103,48 @@ def test_cost_model_uses_calibrated_collectives_where_it_has_them():
     assert layer.sync_s == pytest.approx(7e-3 + prof.layers[1].param_count * 4 / 1e8)
 
 
+def test_cpu_collectives_cost_the_fit_for_the_ranks_each_slot_keeps_busy():
+    """A pipeline keeps fewer ranks busy in its first and last slots: pp 2 x tp 2 with 4
+    micro-batches has 2, 4, 4, 4, 2 busy ranks, so a TP all-reduce costs the 2-process fit in
+    two slots of five and the 4-process fit in three; without pipelining, the 4-process fit."""
+    prof = tiny_profile()
+    two, four = CollectiveFit("all_reduce", 2, 2, 1e-3, 2e9), CollectiveFit("all_reduce", 2, 4, 4e-3, 1e9)
+    model = CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=(two, four)), 8, 1 << 40)
+    pipeline = Candidate(1, 2, 2, 1, 4, 0, "1f1b", False, False)
+    assert model.busy_ranks(pipeline) == [2, 4, 4, 4, 2]
+    lat, per_byte = model.collective_terms("all_reduce", 2, pipeline)
+    assert lat == pytest.approx((2 * 1e-3 + 3 * 4e-3) / 5)
+    assert per_byte == pytest.approx((2 / 2e9 + 3 / 1e9) / 5)
+    lat, per_byte = model.collective_terms("all_reduce", 2, Candidate(2, 2, 1, 1, 4, 0, "1f1b", True, False))
+    assert (lat, per_byte) == (pytest.approx(4e-3), pytest.approx(1 / 1e9))
+
+
+def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_backward():
+    """plan calibrate measures a slot of a stage's forward and backward; a first or last stage
+    runs both as a middle one does (it was charged per boundary, half at the ends). Without a
+    pipeline, none; without a measured overhead (GPU presets), the link's latency per boundary."""
+    prof = tiny_profile()
+    hw = dataclasses.replace(PRESETS["cpu"], pipeline_overhead_s=1e-3, collectives=())
+    model = CostModel(prof, hw, 8, 1 << 40)
+    cand = Candidate(1, 1, 3, 1, 4, 0, "1f1b", False, False)
+    bare = [model.time_terms(cand, 0.0, 0.0, 0, b, 0.0, 0.0, 0.0).per_micro_batch for b in (1, 2)]
+    assert bare == [pytest.approx(2e-3), pytest.approx(2e-3)]
+    alone = Candidate(1, 1, 1, 1, 4, 0, "1f1b", False, False)
+    assert model.time_terms(alone, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0).per_micro_batch == 0.0
+    link = CostModel(prof, dataclasses.replace(hw, pipeline_overhead_s=0.0), 8, 1 << 40)
+    lat, _ = link.collective_terms("send_recv", 2, cand, span=2)
+    assert [link.time_terms(cand, 0.0, 0.0, 0, b, 0.0, 0.0, 0.0).per_micro_batch for b in (1, 2)] == \
+        [pytest.approx(2 * lat), pytest.approx(4 * lat)]
+    # the stages of a layout: each one's time per micro-batch carries 2 x the overhead
+    stages = [[(0, "none", False)], [(1, "none", False)], [(2, "none", False)]]
+    pred = model.evaluate(cand, stages)
+    for s, st in enumerate(pred.stages):
+        layers = model.layer(cand, s, "none", False).micro_batch_s
+        loss = model.loss(cand).micro_batch_s if s == 2 else 0.0
+        sent = model.boundary_bytes(cand, s, s) * 2 * model.collective_terms("send_recv", 2, cand, span=2)[1]
+        assert st.micro_batch_s == pytest.approx(layers + loss + 2e-3 + sent)
+
+
 def test_cpu_ranks_beyond_the_cores_share_them_and_pipelines_share_less():
     """4 ranks on 2 cores compute at half speed; a pipeline's ranks only while their slot has
     them busy: pp 4, m 4 has slots with 1, 2, 3, 4, 3, 2, 1 busy stages (interleaved, more)."""
