@@ -124,9 +124,8 @@ def run(plan_path: Path, k: int) -> dict:
     return load_run(run_path)
 
 
-def row(model: str, name: str, k: int, plan_path: Path, doc) -> dict:
+def row(model: str, name: str, k: int, plan, doc) -> dict:
     """One run of one layout: predicted (the plan's) and measured step, and both by component."""
-    plan = load_plan(plan_path)
     comps, _ = compare_time(plan, doc)
     return {"model": model, "layout": name, "run": k, "predicted_s": plan.predicted.step_time_s, "measured_s": doc.step_s,
             **{f"pred_{c.component}_s": c.predicted for c in comps},
@@ -145,9 +144,9 @@ def run_grid(models: list[str], runs: int, keep: Path | None) -> list[dict]:
             for k in range(runs):          # runs interleaved, so slow drift hits every layout alike
                 for name, path, _ in plans:
                     t = time.perf_counter()
-                    doc = run(path, k)
-                    compare(load_plan(path), path, doc)     # the run is this plan's (its hash), or one sentence
-                    rows.append(row(model, name, k, path, doc))
+                    doc, plan = run(path, k), load_plan(path)
+                    compare(plan, path, doc)     # the run is this plan's (its hash), or one sentence
+                    rows.append(row(model, name, k, plan, doc))
                     print(f"{model:5s} {name:40s} run {k}: predicted {rows[-1]['predicted_s']:.4f} s, "
                           f"measured {rows[-1]['measured_s']:.4f} s ({time.perf_counter() - t:.0f} s)", flush=True)
     return rows
@@ -166,31 +165,28 @@ def evaluate_again(models: list[str], kept: Path) -> list[dict]:
     beside their kept runs."""
     rows = []
     hw = get_hardware("cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in models:
-            prof_path = kept / f"{model}.profile.json"
-            if not prof_path.exists():
-                raise SystemExit(f"{prof_path} is missing; keep a run with `--keep {kept}` first.")
-            prof = load_profile(prof_path)
-            cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
-            opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
-            named = [(case.name, f"{model}-{case.name.replace(' ', '_')}") for case in GRID]
-            free = load_plan(kept / f"{model}-free.json")
-            free_cand, free_stages = layout_of(free)
-            named.append((f"free choice: {free_cand.describe()}", f"{model}-free"))
-            best = search(prof, opts).solutions[0]
-            if (best.candidate.describe(), best.stages) != (free_cand.describe(), free_stages):
-                print(f"{model}: today's model would choose {best.candidate.describe()}, not the kept free choice")
-            for name, stem in named:
-                plan_path = kept / f"{stem}.json"
-                if not plan_path.exists():
-                    continue                     # a grid layout this model does not admit
-                cand, stages = layout_of(load_plan(plan_path))
-                again = Path(tmp) / f"{stem}.json"
-                sol = Solution(cand, stages, cost.evaluate(cand, stages))
-                build_plan(sol, [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(again)).save(again)
-                for run_path in sorted(kept.glob(f"{stem}.run*.json")):
-                    rows.append(row(model, name, int(run_path.suffixes[-2][4:]), again, load_run(run_path)))
+    for model in models:
+        prof_path = kept / f"{model}.profile.json"
+        if not prof_path.exists():
+            raise SystemExit(f"{prof_path} is missing; keep a run with `--keep {kept}` first.")
+        prof = load_profile(prof_path)
+        cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
+        opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
+        named = [(case.name, f"{model}-{case.name.replace(' ', '_')}") for case in GRID]
+        free_cand, free_stages = layout_of(load_plan(kept / f"{model}-free.json"))
+        named.append((f"free choice: {free_cand.describe()}", f"{model}-free"))
+        best = search(prof, opts).solutions[0]
+        if (best.candidate.describe(), best.stages) != (free_cand.describe(), free_stages):
+            print(f"{model}: today's model would choose {best.candidate.describe()}, not the kept free choice")
+        for name, stem in named:
+            plan_path = kept / f"{stem}.json"
+            if not plan_path.exists():
+                continue                     # a grid layout this model does not admit
+            cand, stages = layout_of(load_plan(plan_path))
+            sol = Solution(cand, stages, cost.evaluate(cand, stages))
+            again = build_plan(sol, [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(plan_path))
+            for run_path in sorted(kept.glob(f"{stem}.run*.json")):
+                rows.append(row(model, name, int(run_path.suffixes[-2][4:]), again, load_run(run_path)))
     return sorted(rows, key=lambda r: (models.index(r["model"]), r["run"]))     # as run_grid orders them
 
 

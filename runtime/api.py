@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import OrderedDict
 from datetime import timedelta
-import sys
 from typing import Callable, NoReturn
 
 import torch
