@@ -98,6 +98,10 @@ class LayerCost:
     tp_comm_s: float = 0.0  # the part of comm_s that is TP collectives
     forward_s: float = 0.0    # the part of compute_s that is the forward
     recompute_s: float = 0.0  # the part of compute_s that runs the forward again (checkpointed)
+    # FSDP2's hooks and copies (profiled): in compute_s per micro-batch, and replicate's
+    # reduction copies in step_s; the runtime's breakdown counts both as dp_comm (stage_parts)
+    fsdp_hooks_s: float = 0.0
+    fsdp_sync_copies_s: float = 0.0
 
     @property
     def micro_batch_s(self) -> float:
@@ -316,11 +320,9 @@ class CostModel:
         # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
         recompute = {"full": fwd_s, "selective": self._sac_recompute_s(s, fwd_s)}.get(checkpoint, 0.0)
-        compute = fwd_s + bwd_s + recompute
-        if self.measured_here and mode != "plain":
-            compute += lp.fsdp_overhead_s.get(mode, 0.0)   # the unit's hooks and buffer copies, measured
+        hooks = lp.fsdp_overhead_s.get(mode, 0.0) if self.measured_here and mode != "plain" else 0.0   # the unit's hooks and buffer copies, measured
         scale = self.compute_scale(cand)
-        compute *= scale
+        compute = (fwd_s + bwd_s + recompute + hooks) * scale
         # TP collectives sit on the critical path; a fully checkpointed layer runs its forward's
         # again, a selective one whatever its backward was measured to run. Under sequence
         # parallelism they are all-gathers and reduce-scatters where the regions' all-reduces
@@ -356,14 +358,15 @@ class CostModel:
             h2d = self.hw.host_to_device_bandwidth
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
             step_s = shard_numel / self.hw.cpu_adam_params_per_s
-        if self.measured_here and mode == "replicate":
-            step_s += lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale   # its reduction's copies
+        sync_copies = lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale if self.measured_here and mode == "replicate" else 0.0
+        step_s += sync_copies                    # its reduction's copies
         if zero1 and d > 1:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
-                         forward_s=fwd_s * scale, recompute_s=recompute * scale)
+                         forward_s=fwd_s * scale, recompute_s=recompute * scale, fsdp_hooks_s=hooks * scale,
+                         fsdp_sync_copies_s=sync_copies)
 
     def _sac_recompute_s(self, s: LayerSample, fwd_s: float) -> float:
         """What selective checkpointing runs again in backward: as measured here, else (times
@@ -621,13 +624,16 @@ class CostModel:
         return max(sum(n * h for n, h in zip(counts, stage_host)) for counts in self.ranks_per_stage_on_nodes(cand))
 
     def stage_parts(self, cand: Candidate, stage: int, choices, per_mb: float, per_step: float) -> dict[str, float]:
-        """One stage's time per micro-batch and once per step by component (they add up to both)."""
+        """One stage's time per micro-batch and once per step by component (they add up to both).
+        FSDP2's hooks and copies are dp_comm, as the runtime's breakdown counts them (its
+        FSDP:: regions), though they are costed as compute (profiled on one process)."""
         costs, loss = self.stage_costs(cand, stage, choices)
-        compute = sum(c.compute_s for c in costs) + (loss.compute_s if loss else 0.0)
+        hooks = sum(c.fsdp_hooks_s for c in costs)
+        compute = sum(c.compute_s for c in costs) + (loss.compute_s if loss else 0.0) - hooks
         tp = sum(c.tp_comm_s for c in costs) + (loss.tp_comm_s if loss else 0.0)
         offload = sum(c.offload_s for c in costs)
-        dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs)
-        step = sum(c.step_s for c in costs)
+        dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs) + hooks
+        step = sum(c.step_s - c.fsdp_sync_copies_s for c in costs)
         forward = sum(c.forward_s for c in costs) + (loss.forward_s if loss else 0.0)
         recompute = sum(c.recompute_s for c in costs)
         return {"compute": compute, "tp_comm": tp, "offload": offload, "dp_comm": dp_mb,

@@ -231,6 +231,34 @@ def test_fsdp_units_cost_their_measured_hooks_and_copies():
         assert model.layer(cand, 1, False, False).compute_s == pytest.approx(plain + extra)
 
 
+def test_fsdp_hooks_and_copies_are_reported_as_dp_comm():
+    """Costed as compute, reported where the runtime's breakdown finds them (its FSDP:: regions):
+    the same step, the hooks moved from compute to dp_comm, replicate's reduction copies from
+    the optimizer to dp_comm."""
+    prof = tiny_profile()
+    stages = [[(i, "none", False) for i in range(prof.n_layers)]]
+    hw = dataclasses.replace(PRESETS["cpu"], host_cores=8.0)
+    for zero in (0, 3):
+        cand = Candidate(2, 1, 1, 1, 2, zero, "1f1b", True, False)
+        bare = CostModel(prof, hw, 8, 1 << 40).evaluate(cand, stages)
+        for lp in prof.layers:
+            lp.fsdp_overhead_s = {"replicate": 1e-3, "shard": 2e-3, "shard_keep": 3e-3, "replicate_sync": 4e-3}
+        hooked = CostModel(prof, hw, 8, 1 << 40).evaluate(cand, stages)
+        for lp in prof.layers:
+            lp.fsdp_overhead_s = {}
+        n = prof.n_layers
+        hooks = n * cand.num_micro_batches * (1e-3 if zero == 0 else 2e-3)
+        copies = n * 4e-3 if zero == 0 else 0.0
+        got, was = hooked.components, bare.components
+        assert hooked.step_s > bare.step_s
+        assert got["compute"] == pytest.approx(was["compute"])
+        assert got["optimizer"] == pytest.approx(was["optimizer"])
+        assert sum(v for k, v in got.items() if k != "total") == pytest.approx(hooked.step_s)
+        if zero == 3:       # nothing hides them: the step grows by exactly what dp_comm gains
+            assert got["dp_comm"] - was["dp_comm"] == pytest.approx(hooks + copies)
+            assert hooked.step_s - bare.step_s == pytest.approx(hooks)
+
+
 def test_link_fallback_spans_the_ranks_a_group_covers():
     """Without calibrated fits: a DP group strides over tp, so dp 8 x tp 8 crosses nodes of 8."""
     prof = tiny_profile()
