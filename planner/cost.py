@@ -602,6 +602,13 @@ class CostModel:
                                          host_bytes=sum(c.memory.host for c in costs)))
         return self.finish(cand, preds)
 
+    def overfills_a_rank(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> bool:
+        """Whether some pp rank of the layout peaks over the memory limit: evaluate's `fits` on
+        the device side alone, stopping at the first rank over (rank 0 first: it holds the most
+        micro-batches in flight)."""
+        return any(self.rank_memory(cand, rank, [(t, stages[t]) for t in range(rank, len(stages), cand.pp)]).peak
+                   > self.memory_limit for rank in range(cand.pp))
+
     def ranks_per_stage_on_nodes(self, cand: Candidate) -> list[tuple[int, ...]]:
         """For each distinct kind of node, how many of its ranks hold each pipeline stage.
         Ranks are numbered pp-major with tp innermost (runtime/parallel_dims.MESH_DIMS), so a

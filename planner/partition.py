@@ -163,8 +163,10 @@ class StageSizeSearch:
         self.fastest = [min(self.cost[self.run_of[i], c].micro_batch_s for c in choices) for i in range(self.n)]
         self.run_input = [model.sample(start, cand).input_bytes for start, _ in self.runs]
         self.loss = model.loss(cand)
-        self._floors: dict = {}
+        self._floors: dict = {}            # floor key (_floor_key) -> StageFloor; stages alike share one
         self._fastest: dict = {}
+        self._floor_of_span: dict = {}     # (s, a, b) -> its StageFloor
+        self._fastest_of_span: dict = {}   # (s, a, b, tight) -> fastest_stage_s
         self._moment_cache: dict = {}
         self._layouts: dict = {}
         self._figures: dict = {}
@@ -187,8 +189,12 @@ class StageSizeSearch:
         already (in canonical order one, unless some choice keeps its output). Everything the
         walk adds beyond these (neighbours' FSDP buffers, the current micro-batch's partial
         activations) is left out, so a layout that fits meets every row (tested)."""
+        span = (s, a, b)                  # asked hundreds of thousands of times: by span first
+        if span in self._floor_of_span:
+            return self._floor_of_span[span]
         key = self._floor_key(s, a, b)
         if key in self._floors:
+            self._floor_of_span[span] = self._floors[key]
             return self._floors[key]
         model, cand, m = self.model, self.cand, self.m
         counts, last, stage_in, stage_out = dict(key[1]), key[3], key[4], key[5]
@@ -265,7 +271,7 @@ class StageSizeSearch:
                            step_s=least(lambda x: x.step_s), sync_s=least(lambda x: x.sync_s), share=share,
                            unhidden_s=least(lambda x: x.sync_s - share * x.compute_s),
                            not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s))
-        self._floors[key] = floor
+        self._floors[key] = self._floor_of_span[span] = floor
         return floor
 
     def _figure(self, run: int, figure: str, grads: bool) -> tuple[float, ...]:
@@ -306,6 +312,9 @@ class StageSizeSearch:
         among its choices where there are few (numpy), else a linear relaxation, or with
         `tight` the integer program (3-14 ms: worth it only before a pinned MILP of tenths of a
         second, solve)."""
+        span = (s, a, b, tight)
+        if span in self._fastest_of_span:
+            return self._fastest_of_span[span]
         key = (self._floor_key(s, a, b), tight)
         if key not in self._fastest:
             floor = self.stage_floor(s, a, b)
@@ -315,6 +324,7 @@ class StageSizeSearch:
             else:
                 least = self._fastest_by_program(floor) if tight else self._fastest_by_relaxation(floor)
                 self._fastest[key] = floor.const_s + least
+        self._fastest_of_span[span] = self._fastest[key]
         return self._fastest[key]
 
     def _listable(self, floor: StageFloor) -> bool:
@@ -545,12 +555,13 @@ class StageSizeSearch:
             if expanded > MAX_EXPANDED:
                 yield math.inf, None
                 return
+            most = bar()                           # (it changes only between yields)
             for b in ([n - 1] if s == S - 1 else range(a, n - (S - s - 1))):
                 t0 = rest[a] - rest[b + 1]
-                if (m - 1) * max(slowest, t0) + total > bar():
+                if (m - 1) * max(slowest, t0) + total > most:
                     break                          # longer stages only take longer
                 k = key(S - s - 1, b + 1, total + t0, slowest, once)
-                if k <= bar():
+                if k <= most:
                     heapq.heappush(heap, (k, sizes + (b - a + 1,), total + t0, slowest, once, (a, b)))
 
     def solve(self, time_limit: float | None = None, cutoff: float | None = None,

@@ -399,9 +399,17 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
                 result.pruned += 1
                 continue
-            free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
-            free_pred = model.evaluate(cand, free_stages)
-            if free_pred.fits:
+            # Simplified only where it fits and may be listed (outside_top_k): undoing checkpointing
+            # or offload adds memory, and a layout that does not fit goes on to the memory solve,
+            # which reaches the same step if any fitting layout does (the 405B shape: 134 of
+            # these, none changed by simplify, took 1.9 of its 13 s).
+            free_stages, free_pred = free.stages, None
+            if not model.overfills_a_rank(cand, free.stages):
+                free_pred = model.evaluate(cand, free.stages)
+                if free_pred.fits and not outside_top_k(result, opts.top_k, free_pred.step_s):
+                    free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+                    free_pred = model.evaluate(cand, free_stages)
+            if free_pred is not None and free_pred.fits:
                 result.free_fits += 1
                 if cand.schedule == "1f1b" and cand.pp > 1:
                     one_f_one_b[cand] = free_pred.step_s
@@ -424,8 +432,10 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         seed = (seeds or {}).get(cand)
         stages = pred = None
         if layout.stages is not None:
-            stages = simplify(model, cand, layout.stages, CHECKPOINT_FLAGS[opts.checkpoint])
-            pred = model.evaluate(cand, stages)
+            stages, pred = layout.stages, model.evaluate(cand, layout.stages)
+            if not (pred.fits and outside_top_k(result, opts.top_k, pred.step_s)):
+                stages = simplify(model, cand, layout.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+                pred = model.evaluate(cand, stages)
             if not pred.fits:
                 # The MILP's rows are the walk's records, so this means a solver tolerance let a
                 # layout through that the cost model says does not fit: never list it.
@@ -681,6 +691,13 @@ def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECK
                     else:
                         refused.add(kind)
     return stages
+
+
+def outside_top_k(result: SearchResult, k: int, step_s: float) -> bool:
+    """Whether a layout of this step can no longer enter the top k (slower than the k-th, past
+    any tie): simplify is not worth its walks there (it keeps a layout's step: the MILP's is
+    the fastest, and simplify takes no slower one)."""
+    return len(result.solutions) >= k and step_s > result.solutions[k - 1].prediction.step_s * (1 + 1e-9)
 
 
 def _rank(sol: Solution):
