@@ -320,7 +320,8 @@ class CostModel:
         # Time per micro-batch (TimeTerms: the one definition the MILP and the bound share).
         fwd_s, bwd_s = self._times(s)
         recompute = {"full": fwd_s, "selective": self._sac_recompute_s(s, fwd_s)}.get(checkpoint, 0.0)
-        hooks = lp.fsdp_overhead_s.get(mode, 0.0) if self.measured_here and mode != "plain" else 0.0   # the unit's hooks and buffer copies, measured
+        # the unit's hooks and buffer copies, measured (profiled alone: slowed like compute)
+        hooks = lp.fsdp_overhead_s.get(mode, 0.0) if self.measured_here and mode != "plain" else 0.0
         scale = self.compute_scale(cand)
         compute = (fwd_s + bwd_s + recompute + hooks) * scale
         # TP collectives sit on the critical path; a fully checkpointed layer runs its forward's
@@ -358,8 +359,9 @@ class CostModel:
             h2d = self.hw.host_to_device_bandwidth
             offload_s = (2 * shard_numel * self.store_isz + shard_numel * reduce_isz) / h2d
             step_s = shard_numel / self.hw.cpu_adam_params_per_s
-        sync_copies = lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale if self.measured_here and mode == "replicate" else 0.0
-        step_s += sync_copies                    # its reduction's copies
+        sync_copies = (lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale   # replicate's reduction copies
+                       if self.measured_here and mode == "replicate" else 0.0)
+        step_s += sync_copies
         if zero1 and d > 1:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
