@@ -88,9 +88,7 @@ def measure(plan_path: Path, tmp: Path) -> list[dict[str, float]]:
 
 def predicted(kept: Path, model: str, layout: str) -> tuple[float, float]:
     """Today's cost model on the kept layout: (collectives, hooks and copies) in seconds a step."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from time_fidelity import layout_of
-
+    from planner.build import layout_of
     from planner.cost import CostModel
     from planner.hardware import get_hardware
     from planner.plan import load_plan

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fidelity import Case, stages_for  # noqa: E402
-from planner.build import build_plan  # noqa: E402
+from planner.build import build_plan, layout_of  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.search import Solution, SolveOptions, search  # noqa: E402
@@ -150,14 +150,6 @@ def run_grid(models: list[str], runs: int, keep: Path | None) -> list[dict]:
                     print(f"{model:5s} {name:40s} run {k}: predicted {rows[-1]['predicted_s']:.4f} s, "
                           f"measured {rows[-1]['measured_s']:.4f} s ({time.perf_counter() - t:.0f} s)", flush=True)
     return rows
-
-
-def layout_of(plan) -> tuple[Candidate, list[list[tuple[int, str, bool]]]]:
-    """A plan's candidate and per-stage (layer, checkpoint, offload), as plans_for and the search make them."""
-    offload = any(lc.offload for st in plan.stages for lc in st.layers)
-    cand = Candidate(plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_micro_batches, plan.zero, plan.schedule,
-                     plan.wrapped_layout, offload, plan.virtual_stages, plan.sequence_parallel)
-    return cand, [[(lc.index, lc.checkpoint, lc.offload) for lc in st.layers] for st in plan.stages]
 
 
 def evaluate_again(models: list[str], kept: Path) -> list[dict]:

@@ -141,3 +141,20 @@ def test_run_summary_says_throughput_and_mfu_only_on_gpus():
     assert run_summary(run).endswith("loss 6.5000 -> 5.5000, 32.0 samples/s, MFU 40.0%")
     run.global_batch = 0                                  # an older run document: no throughput to show
     assert run_summary(run).endswith("loss 6.5000 -> 5.5000")
+
+
+def test_a_plan_gives_back_its_candidate_and_layout(big, tmp_path):
+    """layout_of is build_plan's inverse: the candidate (degrees, micro-batching, ZeRO, whether
+    layers are wrapped) and every stage's layers, so a kept plan can be predicted again."""
+    from planner.build import layout_of
+    from planner.plan import checkpoint_mode, load_plan
+    prof, solutions, _ = big
+    hw = PRESETS["h100-sxm-80g"]
+    opts = SolveOptions(gpus=64, hardware=hw, global_batch=1024)
+    prof.save(tmp_path / "profile.json")
+    for k, sol in enumerate(solutions):
+        plan = build_plan(sol, [], prof, str(tmp_path / "profile.json"), hw, opts, hw.usable_memory_bytes(), "plan.json")
+        plan.save(tmp_path / f"plan{k}.json")
+        cand, stages = layout_of(load_plan(tmp_path / f"plan{k}.json"))
+        assert cand == sol.candidate
+        assert stages == [[(i, checkpoint_mode(ck), bool(off)) for i, ck, off in st] for st in sol.stages]
