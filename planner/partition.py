@@ -32,6 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -170,6 +171,7 @@ class StageSizeSearch:
         self._moment_cache: dict = {}
         self._layouts: dict = {}
         self._figures: dict = {}
+        self._column_cache: dict = {}      # runs' layer counts -> _columns
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
@@ -201,18 +203,14 @@ class StageSizeSearch:
         # The stage's buffers (CostModel.stage_buffers, the MILP's convention for a run's bytes).
         static = model.batch_bytes(cand, s == 0, last) + m * (stage_in + (0 if last else stage_out))
         per_mb = stage_out
-        cols = tuple((r, c) for r in sorted(counts) for c in self.choices)
-        mem = [self.cost[k].memory for k in cols]
-        states = [x.weights + x.optim + x.buffers for x in mem]
+        col = self._columns(key[1])
+        cols, mem, kept = col.cols, col.mem, col.kept
         # A layer that keeps only its input finds it kept already when it is the stage's first
         # (the pipeline holds it) or follows a layer that keeps its output: in canonical order
         # the first of a kind at most, so a micro-batch counts at most those inputs too many.
-        only_input = [x.input if (x.keeps_input and not x.keeps_output) else 0 for x in mem]
-        lost_inputs = max(v for (r, _), v in zip(cols, only_input) if r == self.run_of[a])
+        lost_inputs = max(v for (r, _), v in zip(cols, col.only_input) if r == self.run_of[a])
         if any(x.keeps_output for x in mem):
-            lost_inputs += sum(only_input)
-
-        kept = [FIGURES["activations"](x, False) + alone for x, alone in zip(mem, only_input)]
+            lost_inputs += sum(col.only_input)
         limit = model.memory_limit
         rows = []
 
@@ -221,12 +219,13 @@ class StageSizeSearch:
             choice (the choice it takes follows from the counts, in canonical order)."""
             return offset, sign, self._figure(self.run_of[a + offset], figure, grads)
 
-        def record(per_layer, room: float, *terms) -> None:
-            rows.append((tuple(per_layer(st, x, k) for st, x, k in zip(states, mem, kept)), room, terms))
+        def record(base: tuple[int, ...], held: int, room: float, *terms) -> None:
+            """A row: per column, `base` (_columns) and `held` micro-batches of what a layer keeps."""
+            rows.append((tuple(v + held * k for v, k in zip(base, kept)) if held else base, room, terms))
 
-        record(lambda st, x, k: st + (x.grads if x.step_grads is None else x.step_grads), limit - static)
+        record(col.optimizer_step, 0, limit - static)
         if any(x.step_grads is not None for x in mem):
-            record(lambda st, x, k: st + x.grads + x.kept_unsharded + x.unsharded_after_backward, limit - static)
+            record(col.final_reduction, 0, limit - static)
         lm = self.loss.memory
         loss_kept = FIGURES["activations"](lm, False) if last else 0
         one_mb = per_mb + loss_kept - lost_inputs        # a held micro-batch, less its per-layer part
@@ -237,42 +236,65 @@ class StageSizeSearch:
                 loss_peak, final = _backward_peak(lm, grads), ()
             else:
                 loss_peak, final = 0, (at(b - a, "last backward", grads),)
-            record(lambda st, x, k: st + x.kept_unsharded + held * k + (x.grads if grads else 0),
-                   limit - static - held * one_mb - loss_peak, *final)
+            record(col.with_grads if grads else col.resident, held, limit - static - held * one_mb - loss_peak, *final)
 
             # The first layer's backward, the last to run, and its all-gather copy-out: the other
             # held micro-batches whole, this one's buffers and what its first layers keep, every
             # other layer's gradients (all of them once gradients exist) and the unsharded
             # copies their backwards left.
-            def later(st, x, k):
-                return st + x.kept_unsharded + (held - 1) * k + x.grads + x.unsharded_after_backward
-
             room = limit - static - (held - 1) * one_mb - per_mb
-            record(later, room, at(0, "own backward", grads), at(0, "activations"), at(0, "left", grads, -1))
+            record(col.after_backward, held - 1, room, at(0, "own backward", grads), at(0, "activations"),
+                   at(0, "left", grads, -1))
             if b > a:
                 # The second layer's: the same, with the first layer's all-gather prefetched.
-                record(later, room, at(1, "own backward", grads), at(0, "backward gather"), at(0, "activations"),
-                       at(1, "activations"), at(0, "left", grads, -1), at(1, "left", grads, -1))
+                record(col.after_backward, held - 1, room, at(1, "own backward", grads), at(0, "backward gather"),
+                       at(0, "activations"), at(1, "activations"), at(0, "left", grads, -1), at(1, "left", grads, -1))
         for held, grads in self._moments(s, "F"):
             # The first layer's forward: every held micro-batch whole and, once gradients
             # exist, every gradient and every other layer's unsharded copy left by its backward.
             terms = [at(0, "forward")]
             if grads:
                 terms.append(at(0, "left unsharded", sign=-1))
-            record(lambda st, x, k: st + x.kept_unsharded + held * k + ((x.grads + x.unsharded_after_backward) if grads else 0),
-                   limit - static - held * one_mb, *terms)
+            record(col.after_backward if grads else col.resident, held, limit - static - held * one_mb, *terms)
         terms = model.time_terms(cand, 0.0, self.loss.micro_batch_s if last else 0.0,
                                  stage_in + (0 if last else stage_out), (s > 0) + (not last), 0.0, 0.0, 0.0)
-        share = model.sync_hidden_share
-
-        def least(figure) -> float:
-            return sum(n * min(figure(self.cost[r, c]) for c in self.choices) for r, n in counts.items())
-        floor = StageFloor(cols, counts, tuple(rows), tuple(self.cost[k].micro_batch_s for k in cols), terms.per_micro_batch,
-                           step_s=least(lambda x: x.step_s), sync_s=least(lambda x: x.sync_s), share=share,
-                           unhidden_s=least(lambda x: x.sync_s - share * x.compute_s),
-                           not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s))
+        floor = StageFloor(cols, counts, tuple(rows), col.time_s, terms.per_micro_batch, share=model.sync_hidden_share,
+                           **col.least)
         self._floors[key] = self._floor_of_span[span] = floor
         return floor
+
+    def _columns(self, counts: tuple) -> SimpleNamespace:
+        """What stage_floor needs of a stage's columns, its runs' layer counts given: per column
+        (run, choice) the layer's memory figures summed as its rows take them, and the stage's
+        least once-per-step figures (kept: thousands of floors share a few counts)."""
+        if counts in self._column_cache:
+            return self._column_cache[counts]
+        cols = tuple((r, c) for r, _ in counts for c in self.choices)
+        mem = [self.cost[k].memory for k in cols]
+        only_input = [x.input if (x.keeps_input and not x.keeps_output) else 0 for x in mem]
+        resident = [x.weights + x.optim + x.buffers + x.kept_unsharded for x in mem]   # states and kept copies
+        share = self.model.sync_hidden_share
+
+        def least(figure) -> float:
+            return sum(n * min(figure(self.cost[r, c]) for c in self.choices) for r, n in counts)
+        out = SimpleNamespace(
+            cols=cols, mem=mem, only_input=only_input,
+            kept=[FIGURES["activations"](x, False) + alone for x, alone in zip(mem, only_input)],
+            # the optimizer step: states and the gradients it steps
+            optimizer_step=tuple(x.weights + x.optim + x.buffers + (x.grads if x.step_grads is None else x.step_grads)
+                                 for x in mem),
+            # the final reduction of pipelined FSDP units: states, gradients, every unsharded copy
+            final_reduction=tuple(x.weights + x.optim + x.buffers + x.grads + x.kept_unsharded + x.unsharded_after_backward
+                                  for x in mem),
+            resident=tuple(resident),
+            with_grads=tuple(v + x.grads for v, x in zip(resident, mem)),
+            after_backward=tuple(v + x.grads + x.unsharded_after_backward for v, x in zip(resident, mem)),
+            time_s=tuple(self.cost[k].micro_batch_s for k in cols),
+            least=dict(step_s=least(lambda x: x.step_s), sync_s=least(lambda x: x.sync_s),
+                       unhidden_s=least(lambda x: x.sync_s - share * x.compute_s),
+                       not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s)))
+        self._column_cache[counts] = out
+        return out
 
     def _figure(self, run: int, figure: str, grads: bool) -> tuple[float, ...]:
         """FIGURES[figure] of a layer of the run under each choice (kept: every stage of the
