@@ -97,9 +97,8 @@ def predicted(kept: Path, model: str, layout: str) -> tuple[float, float]:
     cost = CostModel(load_profile(kept / f"{model}.profile.json"), hw, 8, hw.usable_memory_bytes())
     cand, stages = layout_of(load_plan(kept / f"{model}-{layout}.json"))
     layers, _ = cost.stage_costs(cand, 0, stages[0])
-    m, share = cand.num_micro_batches, cost.sync_hidden_share
-    exposed_sync = max(0.0, sum(c.sync_s for c in layers) - share * sum(c.compute_s for c in layers))   # TimeTerms
-    collectives = m * sum(c.comm_s - c.tp_comm_s for c in layers) + exposed_sync
+    m = cand.num_micro_batches
+    collectives = m * sum(c.comm_s - c.tp_comm_s for c in layers) + cost.stage_terms(cand, 0, stages[0]).exposed_sync
     hooks = sum(m * c.fsdp_hooks_s + c.fsdp_sync_copies_s for c in layers)
     return collectives, hooks
 

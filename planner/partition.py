@@ -171,7 +171,7 @@ class StageSizeSearch:
         self._moment_cache: dict = {}
         self._layouts: dict = {}
         self._figures: dict = {}
-        self._column_cache: dict = {}      # runs' layer counts -> _columns
+        self._column_cache: dict = {}      # the runs a stage holds -> their columns (_columns)
 
     # -- one stage ----------------------------------------------------------------------
     def stage_floor(self, s: int, a: int, b: int) -> StageFloor:
@@ -265,36 +265,37 @@ class StageSizeSearch:
 
     def _columns(self, counts: tuple) -> SimpleNamespace:
         """What stage_floor needs of a stage's columns, its runs' layer counts given: per column
-        (run, choice) the layer's memory figures summed as its rows take them, and the stage's
-        least once-per-step figures (kept: thousands of floors share a few counts)."""
-        if counts in self._column_cache:
-            return self._column_cache[counts]
-        cols = tuple((r, c) for r, _ in counts for c in self.choices)
-        mem = [self.cost[k].memory for k in cols]
-        only_input = [x.input if (x.keeps_input and not x.keeps_output) else 0 for x in mem]
-        resident = [x.weights + x.optim + x.buffers + x.kept_unsharded for x in mem]   # states and kept copies
-        share = self.model.sync_hidden_share
-
-        def least(figure) -> float:
-            return sum(n * min(figure(self.cost[r, c]) for c in self.choices) for r, n in counts)
-        out = SimpleNamespace(
-            cols=cols, mem=mem, only_input=only_input,
-            kept=[FIGURES["activations"](x, False) + alone for x, alone in zip(mem, only_input)],
-            # the optimizer step: states and the gradients it steps
-            optimizer_step=tuple(x.weights + x.optim + x.buffers + (x.grads if x.step_grads is None else x.step_grads)
-                                 for x in mem),
-            # the final reduction of pipelined FSDP units: states, gradients, every unsharded copy
-            final_reduction=tuple(x.weights + x.optim + x.buffers + x.grads + x.kept_unsharded + x.unsharded_after_backward
-                                  for x in mem),
-            resident=tuple(resident),
-            with_grads=tuple(v + x.grads for v, x in zip(resident, mem)),
-            after_backward=tuple(v + x.grads + x.unsharded_after_backward for v, x in zip(resident, mem)),
-            time_s=tuple(self.cost[k].micro_batch_s for k in cols),
-            least=dict(step_s=least(lambda x: x.step_s), sync_s=least(lambda x: x.sync_s),
-                       unhidden_s=least(lambda x: x.sync_s - share * x.compute_s),
-                       not_compute_s=least(lambda x: x.micro_batch_s - x.compute_s)))
-        self._column_cache[counts] = out
-        return out
+        (run, choice) the layer's memory figures summed as its rows take them, kept per set of
+        runs (a search's thousands of floors hold a few: their counts differ, their runs
+        rarely), and the stage's least once-per-step figures for these counts."""
+        runs = tuple(r for r, _ in counts)
+        if runs not in self._column_cache:
+            cols = tuple((r, c) for r in runs for c in self.choices)
+            mem = [self.cost[k].memory for k in cols]
+            only_input = [x.input if (x.keeps_input and not x.keeps_output) else 0 for x in mem]
+            resident = [x.weights + x.optim + x.buffers + x.kept_unsharded for x in mem]   # states and kept copies
+            share = self.model.sync_hidden_share
+            figures = {"step_s": lambda x: x.step_s, "sync_s": lambda x: x.sync_s,
+                       "unhidden_s": lambda x: x.sync_s - share * x.compute_s,
+                       "not_compute_s": lambda x: x.micro_batch_s - x.compute_s}
+            self._column_cache[runs] = SimpleNamespace(
+                cols=cols, mem=mem, only_input=only_input,
+                kept=[FIGURES["activations"](x, False) + alone for x, alone in zip(mem, only_input)],
+                # the optimizer step: states and the gradients it steps
+                optimizer_step=tuple(x.weights + x.optim + x.buffers + (x.grads if x.step_grads is None else x.step_grads)
+                                     for x in mem),
+                # the final reduction of pipelined FSDP units: states, gradients, every unsharded copy
+                final_reduction=tuple(x.weights + x.optim + x.buffers + x.grads + x.kept_unsharded
+                                      + x.unsharded_after_backward for x in mem),
+                resident=tuple(resident),
+                with_grads=tuple(v + x.grads for v, x in zip(resident, mem)),
+                after_backward=tuple(v + x.grads + x.unsharded_after_backward for v, x in zip(resident, mem)),
+                time_s=tuple(self.cost[k].micro_batch_s for k in cols),
+                least_per_layer={name: [min(f(self.cost[r, c]) for c in self.choices) for r in runs]
+                                 for name, f in figures.items()})
+        out = self._column_cache[runs]
+        least = {name: sum(n * lo for (_, n), lo in zip(counts, per)) for name, per in out.least_per_layer.items()}
+        return SimpleNamespace(**vars(out), least=least)
 
     def _figure(self, run: int, figure: str, grads: bool) -> tuple[float, ...]:
         """FIGURES[figure] of a layer of the run under each choice (kept: every stage of the
