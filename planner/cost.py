@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from profiles.schema import LayerProfile, LayerSample, Profile, splits_evenly
 
 from .hardware import PRESETS, Hardware
-from .memory import Chunk, LayerMemory, StageMemory, holds_sends, schedule_actions, walk_rank
+from .memory import Chunk, LayerMemory, StageMemory, holds_sends, pipeline_buffers, schedule_actions, walk_rank
 from .plan import checkpoint_mode, fsdp_unit, wraps_layers
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
@@ -462,39 +462,20 @@ class CostModel:
         """Bytes outside the layers: (alive all step, per in-flight micro-batch, in a forward
         that follows a backward, held by the sends of each finished micro-batch).
 
-        One chunk's, where a rank runs several. The batch: inputs on the first stage, targets
-        on the last. torch.distributed.pipelining keeps, besides: a receive buffer per
-        micro-batch for the activations a later stage gets and for the gradients an earlier
-        stage gets back (allocated once, kept between steps; a received activation is used in
-        place); each in-flight micro-batch's stage output, until its backward. Schedule1F1B and
-        ScheduleGPipe also hold, while the next forward runs, the input gradient the last
-        backward produced (until its send completes) and, on the last stage, the previous
-        micro-batch's output (the schedule's loop variable still holds it); the multi-stage
-        schedules instead hold every send (stage output and input gradient) to the step's end
-        (memory.holds_sends).
+        One chunk's, where a rank runs several: the batch (inputs on the first stage, targets on
+        the last) and what torch.distributed.pipelining keeps (memory.pipeline_buffers). Its
+        receive buffers are allocated once and kept between steps; a received activation is
+        used in place.
         """
-        m = cand.num_micro_batches
         first, last = choices[0][0], choices[-1][0]
         is_first, is_last = first == 0, last == self.profile.n_layers - 1
-        static, per_mb, after_backward, sent = self.batch_bytes(cand, is_first, is_last), 0, 0, 0
-        if cand.pp > 1:
-            stage_in = self.sample(first, cand).input_bytes
-            stage_out = self.sample(last, cand).output_bytes
-            per_mb += stage_out
-            if not is_first:
-                static += m * stage_in
-                after_backward += stage_in
-                sent += stage_in
-            if not is_last:
-                static += m * stage_out
-                sent += stage_out
-            else:
-                after_backward += stage_out
-            if holds_sends(cand.schedule):
-                after_backward = 0
-            else:
-                sent = 0
-        return static, per_mb, after_backward, sent
+        batch = self.batch_bytes(cand, is_first, is_last)
+        if cand.pp == 1:
+            return batch, 0, 0, 0
+        static, per_mb, after_backward, sent = pipeline_buffers(
+            cand.num_micro_batches, self.sample(first, cand).input_bytes, self.sample(last, cand).output_bytes,
+            is_first, is_last, holds_sends(cand.schedule))
+        return batch + static, per_mb, after_backward, sent
 
     def batch_bytes(self, cand: Candidate, is_first: bool, is_last: bool) -> int:
         """The step's batch a stage holds all step: inputs on the first stage, targets on the last."""

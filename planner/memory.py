@@ -20,9 +20,14 @@ moment the live bytes are:
                 layer's reduce-scatter (with the copy of the gradients it made, until the
                 asynchronous collective completes: assumed to overlap the next copy-out)
 
-`walk_rank` walks these actions one layer at a time; it is the reference the MILP in
-`planner/milp.py` is tested against. Under the interleaved schedule a rank runs several
-stages (chunks); the others' bytes stay live while one runs.
+These are written once, as records: `forward_records` and `backward_records` say what is live
+while a layer runs, reading where the layer stands in its stage (a `Position`: what the layers
+before it keep, what those after it left, its neighbours' buffers); `held_at` what the rank
+holds besides at a moment; `pipeline_buffers` and `final_reduction_record` the rest. `walk_rank`
+evaluates them on numbers, one layer at a time, for a concrete layout (the reference);
+`planner/milp.py` evaluates the same functions on linear expressions of how many layers each
+segment of a stage holds, and writes the results as its rows. Under the interleaved schedule a
+rank runs several stages (chunks); the others' bytes stay live while one runs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
+from typing import Any
 
 from .plan import MULTI_STAGE_SCHEDULES
 
@@ -246,9 +252,159 @@ class Chunk:
     name: str = ""                       # in phase names ("stage 3 "), where a rank runs several
 
 
+@dataclass
+class Position:
+    """What a layer's records read about where the layer stands in its stage, for one
+    micro-batch: numbers in the walk (layer i), linear expressions of the layer counts in the
+    MILP (a segment's first, second, ..., last layer). The same records (forward_records,
+    backward_records) are evaluated on both, so the memory model is written once."""
+
+    kept_before: Any = 0          # activations this micro-batch's earlier layers keep for backward
+    kept_through: Any = 0         # the same with this layer's own (kept_bytes)
+    input_unless_kept: Any = 0    # the layer's input, unless the layer before keeps it (or the caller holds it)
+    unsharded_through: Any = 0    # FSDP2 copies kept from forward to backward alive here: the layers' up
+                                  # to this one, or the whole stage's under pipelining
+    left_after: Any = 0           # unsharded copies the backwards of the later layers left
+    grads_after: Any = 0          # gradients of the later layers (a first backward creates them in turn)
+    prev_gather_flat: Any = 0     # the all-gather flat buffer of the layer before
+    prev_backward_flat: Any = 0   # ... when that layer gathers again for its backward (prefetched)
+    next_reduce_flat: Any = 0     # the reduce-scatter input of the layer after (its backward ran first)
+    stage_grads: Any = 0          # all of the stage's gradients
+    stage_micro_batch: Any = 0    # what the stage holds per micro-batch outside its layers (Chunk)
+
+
+@dataclass
+class Record:
+    """One place a rank's live bytes can peak while a layer runs: the stage's gradients, its
+    activations and its FSDP2 buffers there (the rank's static and held bytes come on top)."""
+
+    phase: str                    # "" or " (gather)": the all-gather's copy-out before compute
+    grads: Any
+    activations: Any
+    buffers: Any
+
+
+def forward_records(l: LayerMemory, at: Position, grads_exist: bool, is_loss: bool) -> list[Record]:
+    """Layer l's forward: its all-gather's copy-out (the layer before's flat buffer still
+    alive), then its compute (input, own saved bytes, output and transient). The loss sees
+    the last layer's flat buffer, held through it."""
+    grads = at.stage_grads if grads_exist else 0
+    acts = at.kept_before + at.input_unless_kept
+    fsdp = at.unsharded_through + (at.left_after if grads_exist else 0)
+    records = []
+    if l.gather_flat or l.unsharded:
+        records.append(Record(" (gather)", grads, acts, fsdp + at.prev_gather_flat + (l.gather_flat + l.unsharded)))
+    records.append(Record("", grads, acts + (l.own + l.output + l.fwd_transient),
+                          fsdp + (l.unsharded + l.gather_flat) + (at.prev_gather_flat if is_loss else 0)))
+    return records
+
+
+def backward_records(l: LayerMemory, at: Position, grads_exist: bool, is_loss: bool,
+                     reshard_after_backward: bool) -> list[Record]:
+    """Layer l's backward: its compute (what the micro-batch keeps through it, the output's
+    gradient, its peak), with the layer whose backward comes next gathered ahead and the
+    reduce-scatter input of the one whose backward came before still alive; then, when it
+    gathers for backward, the copy-out of that all-gather: no peak yet, the previous reduction's
+    input twice (with the copy of the gradients it made, while the collective runs
+    asynchronously), and under pipelining the prefetched flat buffer of the layer before (the
+    collective can still hold this one's: measured with gloo). The loss starts from a scalar
+    and sees the last layer's forward flat buffer."""
+    grads = at.stage_grads if grads_exist else at.grads_after
+    kept = at.kept_through + at.stage_micro_batch + (0 if is_loss else l.output)
+    peak = l.bwd_accum_peak if grads_exist else l.bwd_peak
+    ahead = 0 if is_loss else at.prev_backward_flat
+    behind = at.prev_gather_flat if is_loss else at.next_reduce_flat
+    fsdp = at.unsharded_through + at.left_after + l.unsharded
+    records = [Record("", grads, kept + peak, fsdp + ahead + behind)]
+    if l.gathers_in_backward:
+        records.append(Record(" (gather)", grads, kept, fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind
+                              + (0 if reshard_after_backward else ahead)))
+    return records
+
+
+def positions(seq: list[LayerMemory], n_layers: int, reshard_after_backward: bool, input_is_held: bool,
+              micro_batch_buffers: int) -> list[Position]:
+    """Each layer's Position in a stage running `seq` (its layers, then the loss if it has it)."""
+    adds = kept_bytes(seq, input_is_held)
+    kept = list(accumulate(adds, initial=0))                                        # kept[i]: layers 0..i-1
+    unsharded = list(accumulate(l.kept_unsharded for l in seq))                     # layers 0..i
+    left = list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]   # layers i..
+    grads = list(accumulate((l.grads if i < n_layers else 0 for i, l in reversed(list(enumerate(seq)))), initial=0))[::-1]
+    out = []
+    for i, l in enumerate(seq):
+        prev = seq[i - 1] if i > 0 else None
+        nxt = seq[i + 1] if i + 1 < len(seq) else None
+        out.append(Position(
+            kept_before=kept[i], kept_through=kept[i + 1],
+            input_unless_kept=(0 if input_is_held else l.input) if prev is None else (0 if prev.keeps_output else l.input),
+            unsharded_through=unsharded[i] if reshard_after_backward else unsharded[-1],
+            left_after=left[i + 1], grads_after=grads[i + 1],
+            prev_gather_flat=prev.gather_flat if prev else 0,
+            prev_backward_flat=prev.gather_flat if prev and prev.gathers_in_backward else 0,
+            next_reduce_flat=nxt.reduce_flat if nxt else 0,
+            stage_grads=grads[0], stage_micro_batch=micro_batch_buffers))
+    return out
+
+
+@dataclass
+class StageBytes:
+    """A stage's totals over its layers, as the records of its rank read them while another
+    of the rank's stages runs, and at the step's end (numbers in the walk, expressions in the MILP)."""
+
+    static: Any = 0               # weights, optimizer states, buffers, its batch, its receive buffers
+    grads: Any = 0                # its gradients, once it ran a backward
+    step_grads: Any = 0           # its gradients at the optimizer step
+    kept_unsharded: Any = 0       # FSDP2 copies kept from forward to backward
+    left_after_backward: Any = 0  # unsharded copies its backwards leave (pipelining)
+    per_micro_batch: Any = 0      # what one of its in-flight micro-batches keeps
+    after_backward: Any = 0       # what a forward that follows its backward still sees
+    sent: Any = 0                 # what each finished micro-batch's sends hold (holds_sends)
+
+
+def pipeline_buffers(m: int, stage_in, stage_out, is_first: bool, is_last: bool, sends_held: bool):
+    """The tensors a pipeline stage receives and sends, as (static, per micro-batch, after a
+    backward, held per finished backward): receive buffers for every micro-batch, the stage
+    output per in-flight micro-batch, and what a forward that follows a backward still sees:
+    the last backward's input gradient until its send completes and, on the last stage, the
+    previous micro-batch's output (the schedule's loop variable). The multi-stage schedules
+    hold every send (stage output and input gradient) to the step's end instead (holds_sends)."""
+    static = (0 if is_first else m * stage_in) + (0 if is_last else m * stage_out)
+    after_backward = (0 if is_first else stage_in) + (stage_out if is_last else 0)
+    sent = (0 if is_first else stage_in) + (0 if is_last else stage_out)
+    return (static, stage_out, 0, sent) if sends_held else (static, stage_out, after_backward, 0)
+
+
+def held_at(moment: Moment, stages: list[StageBytes], reshard_after_backward: bool) -> Record:
+    """What a rank holds at `moment` besides its static bytes and the running stage's records:
+    every stage's in-flight micro-batches (the running one excluded) and held sends, what a
+    forward that follows a backward still sees, and the other stages' gradients and unsharded
+    copies once they ran a backward (their kept copies too, under pipelining)."""
+    acts = sum((h * st.per_micro_batch for h, st in zip(moment.held, stages) if h), 0) \
+        + sum((d * st.sent for d, st in zip(moment.done, stages) if d), 0)
+    if moment.kind == "F" and moment.after is not None:
+        acts = acts + stages[moment.after].after_backward
+    rest = [c for c in range(len(stages)) if c != moment.chunk]
+    grads = sum((stages[c].grads for c in rest if moment.grads[c]), 0)
+    fsdp = sum(((0 if reshard_after_backward else stages[c].kept_unsharded)
+                + (stages[c].left_after_backward if moment.grads[c] else 0) for c in rest), 0)
+    return Record("", grads, acts, fsdp)
+
+
+def final_reduction_record(stages: list[StageBytes], largest_flat, micro_batches: int) -> Record:
+    """Pipelining reduces the accumulated unsharded gradients at the step's end, layer by layer.
+    Each layer frees its unsharded copy, reduces its unsharded gradients through a flat copy
+    (and a temporary of the same size), then frees them for a sharded result: the first
+    layer's reduction is the high point. Every finished micro-batch's sends are still held."""
+    return Record("final gradient reduction", sum((st.grads for st in stages), 0),
+                  sum((micro_batches * st.sent for st in stages), 0),
+                  sum((st.kept_unsharded + st.left_after_backward for st in stages), 0) + largest_flat)
+
+
 def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, reshard_after_backward: bool = True,
               input_is_held: bool = True, sends_held: bool = False) -> StageMemory:
-    """Walk one step of a rank running `chunks` in the order `actions` (schedule_actions).
+    """Walk one step of a rank running `chunks` in the order `actions` (schedule_actions): the
+    records of every layer (forward_records, backward_records) at every moment, over what the
+    rank holds besides (its static bytes, its in-flight micro-batches, its other chunks).
 
     reshard_after_backward: FSDP2 frees a layer's kept unsharded copy after its backward
         (without pipelining); pipelining keeps every one until the step's end.
@@ -264,16 +420,15 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
     weights = sum(l.weights for l in every)
     optim = sum(l.optim for l in every)
     buffers = sum(l.buffers for l in every) + sum(c.static_buffers for c in chunks)
-    grads_of = [sum(l.grads for l in c.layers) for c in chunks]
-    step_grads = sum(l.grads if l.step_grads is None else l.step_grads for l in every)
-    kept_unsharded_of = [sum(l.kept_unsharded for l in c.layers) for c in chunks]
-    left_of = [sum(l.unsharded_after_backward for l in c.layers) for c in chunks]
-    adds = [kept_bytes(seq, input_is_held) for seq in seqs]
-    per_mb_of = [sum(add) + c.per_micro_batch_buffers for add, c in zip(adds, chunks)]  # one finished forward, held until its backward
-    kept_upto_of = [list(accumulate(l.kept_unsharded for l in seq)) for seq in seqs]      # layers 0..i
-    left_from_of = [list(accumulate((l.unsharded_after_backward for l in reversed(seq)), initial=0))[::-1]
-                    for seq in seqs]                                                       # layers i..n-1
-    first_input_of = [0 if input_is_held else seq[0].input for seq in seqs]
+    stages = [StageBytes(grads=sum(l.grads for l in c.layers),
+                         step_grads=sum(l.grads if l.step_grads is None else l.step_grads for l in c.layers),
+                         kept_unsharded=sum(l.kept_unsharded for l in c.layers),
+                         left_after_backward=sum(l.unsharded_after_backward for l in c.layers),
+                         per_micro_batch=sum(kept_bytes(seq, input_is_held)) + c.per_micro_batch_buffers,
+                         after_backward=c.after_backward_buffers, sent=c.sent_per_backward)
+              for seq, c in zip(seqs, chunks)]
+    at_of = [positions(seq, len(c.layers), reshard_after_backward, input_is_held, c.per_micro_batch_buffers)
+             for seq, c in zip(seqs, chunks)]
 
     timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
 
@@ -288,82 +443,23 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
         if moment in walked:
             continue
         walked.add(moment)
-        seq, add, loss, chunk = seqs[j], adds[j], chunks[j].loss, chunks[j]
-        layers, n = chunk.layers, len(seqs[j])
-        others = sum(h * p for h, p in zip(moment.held, per_mb_of)) \
-            + sum(d * c.sent_per_backward for d, c in zip(moment.done, chunks))
-        rest = [c for c in range(len(chunks)) if c != j]
-        other_grads = sum(grads_of[c] for c in rest if moment.grads[c])
-        other_fsdp = sum((0 if reshard_after_backward else kept_unsharded_of[c]) + (left_of[c] if moment.grads[c] else 0)
-                         for c in rest)
-        grads_all = grads_of[j]
-        grads_exist = moment.grads_here
-        kept_upto, left_from, first_input = kept_upto_of[j], left_from_of[j], first_input_of[j]
-
-        def unsharded_through(i: int) -> int:
-            """Kept unsharded copies alive at layer i: layers 0..i (gathered by their forward, freed
-            by their backward), or all of them under pipelining."""
-            return (kept_upto[i] if reshard_after_backward else kept_unsharded_of[j]) + other_fsdp
-
-        def left_after(i: int) -> int:
-            """Unsharded copies the backwards of the layers after i left behind."""
-            return left_from[i + 1]
-
+        seq, loss, chunk = seqs[j], chunks[j].loss, chunks[j]
+        held = held_at(moment, stages, reshard_after_backward)
         prefix = f"{kind} mb {mb} {chunk.name}"
-        if kind == "F":
-            g = (grads_all if grads_exist else 0) + other_grads
-            # This micro-batch's own per-micro-batch buffers (the stage output) appear only
-            # as its last layer's output; the held ones are in `others`.
-            kept = chunks[moment.after].after_backward_buffers if moment.after is not None else 0
-            for i, l in enumerate(seq):
-                x_extra = first_input if i == 0 else (0 if seq[i - 1].keeps_output else l.input)
-                prev_flat = seq[i - 1].gather_flat if i > 0 else 0
-                fsdp = unsharded_through(i) + (left_after(i) if grads_exist else 0)
-                name = prefix + _name(i, layers)
-                if l.gather_flat or l.unsharded:
-                    record(name + " (gather)", g, others + kept + x_extra, fsdp + prev_flat + l.gather_flat + l.unsharded)
-                record(name, g, others + kept + x_extra + l.own + l.output + l.fwd_transient,
-                       fsdp + l.unsharded + l.gather_flat + (prev_flat if l is loss else 0))
-                kept += add[i]
-        else:
-            kept = per_mb_of[j]
-            grads_done = 0
-            for i in reversed(range(n)):
-                l = seq[i]
-                g = (grads_all if grads_exist else grads_done) + other_grads
-                g_out = 0 if (loss is not None and i == n - 1) else l.output   # the loss starts from a scalar
-                delta = l.bwd_accum_peak if grads_exist else l.bwd_peak
-                # Gathered ahead: the layer whose backward comes next (if it gathers);
-                # still alive: the reduce-scatter input of the layer whose backward came before,
-                # and the last layer's forward all-gather buffer while the loss runs.
-                ahead = seq[i - 1].gather_flat if (i > 0 and seq[i - 1].gathers_in_backward and l is not loss) else 0
-                behind = seq[i + 1].reduce_flat if i + 1 < n else 0
-                if l is loss and i > 0:
-                    behind = seq[i - 1].gather_flat
-                fsdp = unsharded_through(i) + left_after(i) + l.unsharded
-                record(prefix + _name(i, layers), g, others + kept + g_out + delta, fsdp + ahead + behind)
-                if l.gathers_in_backward:
-                    # Copy-out of this layer's all-gather: the previous reduction's input may
-                    # not be freed yet, nor the copy it made of the gradients (asynchronous
-                    # when there is someone to reduce with). Under pipelining the prefetch of
-                    # the layer before is issued while this layer's all-gather output can
-                    # still be held by the collective (measured with gloo).
-                    record(prefix + _name(i, layers) + " (gather)", g, others + kept + g_out,
-                           fsdp + l.gather_flat + (2 if l.async_reduce else 1) * behind
-                           + (0 if reshard_after_backward else ahead))
-                kept -= add[i]
-                if i < len(layers):
-                    grads_done += l.grads
-    final = [l for l in every if l.step_grads is not None]
-    if final:
-        # Pipelining reduces the accumulated unsharded gradients at the step's end, layer by layer.
-        # Each layer frees its unsharded copy, reduces its unsharded gradients through a flat
-        # copy (and a temporary of the same size), then frees them for a sharded result: the
-        # first layer's reduction is the high point.
-        still = sum(kept_unsharded_of) + sum(left_of)
-        sends = sum(c.sent_per_backward for c in chunks) * (len(actions) // 2 // len(chunks)) if sends_held else 0
-        record("final gradient reduction", sum(grads_of), sends, still + max(l.final_reduce_flat for l in final))
-    record("optimizer step", step_grads, 0)
+        for i in (range(len(seq)) if kind == "F" else reversed(range(len(seq)))):
+            l = seq[i]
+            if kind == "F":
+                records = forward_records(l, at_of[j][i], moment.grads_here, l is loss)
+            else:
+                records = backward_records(l, at_of[j][i], moment.grads_here, l is loss, reshard_after_backward)
+            for r in records:
+                record(prefix + _name(i, chunk.layers) + r.phase, held.grads + r.grads, held.activations + r.activations,
+                       held.buffers + r.buffers)
+    if any(l.step_grads is not None for l in every):
+        final = final_reduction_record(stages, max(l.final_reduce_flat for l in every),
+                                       len(actions) // 2 // len(chunks) if sends_held else 0)
+        record(final.phase, final.grads, final.activations, final.buffers)
+    record("optimizer step", sum(st.step_grads for st in stages), 0)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])
     return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,

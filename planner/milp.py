@@ -14,11 +14,18 @@ stage with that choice; inside a stage a run's layers appear in a fixed order of
 the earlier, where it meets the least kept activation memory).
 So the problem's size depends on the number of runs and stages, not on depth.
 
-Memory is exact for this layout space: within a homogeneous segment (same run, same choice)
-every live-bytes record of `memory.walk_rank` is linear in the position, so its maximum is
-at the segment's first or last layer; the MILP constrains exactly those records, each gated
-by whether the segment has one (or two) layers. A tensor two neighbouring layers keep is
-counted once: `kp` says whether the layer before a segment keeps its output.
+Memory is exact for this layout space, and written once, in `planner/memory.py`: a layer's
+records (`forward_records`, `backward_records`) read its `Position` in the stage, and what the
+rank holds besides (`held_at`, `final_reduction_record`) reads each stage's `StageBytes`. The
+walk evaluates them on numbers, layer by layer; this MILP on linear expressions of the layer
+counts. Within a homogeneous segment (same run, same choice) every record is affine in the
+position, so its maximum is at the segment's first or last layer (or its second and
+penultimate where a neighbour's FSDP2 buffer differs from the segment's own); the MILP
+writes the records there, each gated by whether the segment has one, two or three layers.
+What the MILP adds is how to evaluate a Position over segments: prefix sums of the segments
+before, and chains of variables for the neighbours (`kp`: the layer before a segment keeps
+its output, so a tensor two neighbouring layers keep is counted once; the FSDP2 flat buffers
+of the layers before and after).
 
 Under a multi-stage schedule (interleaved 1F1B, looped BFS) a pp rank runs v stages: its memory rows add the rank's other
 stages at each moment the walk can peak (memory.peak_moments).
@@ -31,6 +38,7 @@ rank's once-per-step work `omega`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -42,7 +50,8 @@ from types import SimpleNamespace
 from . import lp
 
 from .cost import Candidate, CostModel, must_offload
-from .memory import Moment, holds_sends, peak_moments, schedule_actions
+from .memory import (Moment, Position, Record, StageBytes, backward_records, final_reduction_record, forward_records, held_at,
+                     holds_sends, peak_moments, pipeline_buffers, schedule_actions)
 from .plan import checkpoint_mode
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
@@ -250,15 +259,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             prob += E[k] <= prev_E + e[k], f"E_{L[k].name[2:]}_pass"
             prev_E = E[k]
 
-        # The tensors a pipeline stage receives and sends (CostModel.stage_buffers): receive
-        # buffers for every micro-batch (static), the stage output per in-flight micro-batch,
-        # and what a forward that follows a backward still sees of it.
-        pmb = stage_out[s] if S > 1 else 0
-        recv_buffers = m * ((stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)) if S > 1 else 0
-        after_backward = ((stage_in[s] if s > 0 else 0) + (stage_out[s] if last_stage else 0)) if S > 1 else 0
-        sent = 0
-        if sends_held:                  # the multi-stage schedules hold every send instead
-            after_backward, sent = 0, (stage_in[s] if s > 0 else 0) + (stage_out[s] if not last_stage else 0)
+        # The tensors a pipeline stage receives and sends (memory.pipeline_buffers).
+        recv_buffers, pmb, after_backward, sent = 0, 0, 0, 0
+        if S > 1:
+            recv_buffers, pmb, after_backward, sent = pipeline_buffers(m, stage_in[s], stage_out[s], s == 0, last_stage,
+                                                                       sends_held)
 
         # What each segment keeps for backward in one micro-batch, and its prefix sums.
         def seg_total(r, c):
@@ -295,7 +300,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         sums[s] = SimpleNamespace(
             last_stage=last_stage, mem=mem, totals=totals, per_mb=per_mb, pmb=pmb, static=static,
             compute_static=compute_static, grads_all=grads_all, step_grads=step_grads, kept_unsharded=kept_unsharded,
-            uab_all=uab_all, after_backward=after_backward, sent=sent, loss_add=loss_add, loss_kp=loss_kp, resharded=resharded)
+            uab_all=uab_all, loss_add=loss_add, loss_kp=loss_kp, resharded=resharded,
+            bytes=StageBytes(static=static, grads=grads_all, step_grads=step_grads, kept_unsharded=kept_unsharded,
+                             left_after_backward=uab_all, per_micro_batch=per_mb, after_backward=after_backward, sent=sent))
         return sums[s]
 
     def add_stage_memory_rows(s: int) -> None:
@@ -306,32 +313,22 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         mine = [stage_sums(t) for t in range(rank, S, pp)]          # the rank's stages, this one at `chunk`
         x = mine[chunk]
         seg = segs[s]
-        last_stage, mem, totals, per_mb, pmb = x.last_stage, x.mem, x.totals, x.per_mb, x.pmb
-        static, compute_static, grads_all, step_grads = x.static, x.compute_static, x.grads_all, x.step_grads
+        last_stage, mem, totals, pmb = x.last_stage, x.mem, x.totals, x.pmb
+        static, compute_static, grads_all = x.static, x.compute_static, x.grads_all
         kept_unsharded, loss_add, loss_kp, resharded = x.kept_unsharded, x.loss_add, x.loss_kp, x.resharded
         rest = [y for j, y in enumerate(mine) if j != chunk]
         moments = peak_moments(schedule_actions(cand.schedule, pp, rank, m, v), v, sends_held)
 
-        def others(mo: Moment):
-            """What the rank's other stages hold at this moment (memory.walk_rank): their static
-            bytes and kept unsharded copies, their in-flight micro-batches, their gradients and
-            unsharded copies once they ran a backward; in a forward, what the last backward left;
-            and every stage's held sends."""
-            out = 0
-            for j, y in enumerate(mine):
-                if j != chunk:
-                    out = out + y.compute_static + mo.held[j] * y.per_mb + ((y.grads_all + y.uab_all) if mo.grads[j] else 0)
-            if mo.kind == "F" and mo.after is not None:
-                out = out + mine[mo.after].after_backward
-            for j, done in enumerate(mo.done):
-                out = out + done * mine[j].sent
-            return out
+        def held(mo: Moment):
+            """What the rank holds at this moment besides this stage's static bytes and records
+            (memory.held_at), with its other stages' static bytes."""
+            h = held_at(mo, [y.bytes for y in mine], resharded)
+            return lp.lin_sum([y.static for y in rest] + [h.grads, h.activations, h.buffers])
 
         def classes(kind: str) -> list:
             """Per class of this stage's moments (its own gradients absent, present): the rows'
-            tag, the class, and the terms that vary with the moment: this stage's in-flight
-            micro-batches and what the rest of the rank holds. One moment (always so for one
-            stage a rank): the terms written out; several: one variable at least each moment's."""
+            tag, the class, and what the rank holds at them (held). One moment (always so for
+            one stage a rank): written out; several: one variable at least each moment's."""
             out = []
             for own in (False, True):
                 alike = [mo for mo in moments if mo.chunk == chunk and mo.kind == kind and mo.grads_here == own]
@@ -339,28 +336,27 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     continue
                 tag = f"{kind.lower()}{int(own)}"
                 if len(alike) == 1:
-                    out.append((tag, own, alike[0].held[chunk] * per_mb, others(alike[0])))
+                    out.append((tag, own, held(alike[0])))
                     continue
-                terms = [mo.held[chunk] * per_mb + others(mo) for mo in alike]
+                terms = [held(mo) for mo in alike]
                 worst = add_bytes_variable(prob, f"moments_s{s}_{tag}", max(prob.upper_bound(t) for t in terms), limit)
                 for k, term in enumerate(terms):
                     add_bytes_bound(prob, worst, term, limit, f"moments_s{s}_{tag}_{k}")
-                out.append((tag, own, 0, worst))
+                out.append((tag, own, worst))
             return out
 
         fwd, bwd = classes("F"), classes("B")
         if chunk == 0:                  # one row for the rank
-            add_memory_row(prob, lp.lin_sum(y.static + y.step_grads for y in mine) if rest else static + step_grads,
-                           limit, None, f"mem_s{s}_optimizer_step")
+            add_memory_row(prob, lp.lin_sum(y.static + y.step_grads for y in mine), limit, None, f"mem_s{s}_optimizer_step")
         if any(mem[q].step_grads is not None for q in seg):
-            # Pipelining reduces the accumulated unsharded gradients at the step's end.
+            # Pipelining reduces the accumulated unsharded gradients at the step's end
+            # (memory.final_reduction_record), its largest flat buffer the highest of this stage's.
             biggest = add_bytes_variable(prob, f"final_reduce_s{s}", max(mem[q].final_reduce_flat for q in seg), limit)
             for (r, c) in seg:
                 add_bytes_bound(prob, biggest, mem[r, c].final_reduce_flat * e[r, s, c], limit, f"final_reduce_{L[r, s, c].name[2:]}")
-            left = lp.lin_sum(mem[r, c].unsharded_after_backward * L[r, s, c] for r, c in seg)
-            add_memory_row(prob, static + grads_all + kept_unsharded + left + biggest
-                           + lp.lin_sum(y.static + y.grads_all + y.kept_unsharded + y.uab_all for y in rest)
-                           + lp.lin_sum(m * y.sent for y in mine), limit, None, f"mem_s{s}_final_reduce")
+            final = final_reduction_record([y.bytes for y in mine], biggest, m)
+            add_memory_row(prob, lp.lin_sum([y.static for y in mine] + [final.grads, final.activations, final.buffers]),
+                           limit, None, f"mem_s{s}_final_reduce")
 
         # FSDP2 buffers of neighbouring layers (memory.walk_rank): chains over the stage's
         # segments give the all-gather buffer of the layer before a segment (forward, and
@@ -405,74 +401,65 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             k, lm = (r, s, c), mem[r, c]
             total, a_in = totals[r, c]
             ku = lm.kept_unsharded if resharded else 0
-            uab_after_seg = lp.lin_sum(mem[r2, c2].unsharded_after_backward * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
-            uab = lm.unsharded_after_backward
-
-            def through(count):
-                """Kept unsharded copies alive at a layer with `count` layers of the segment up to it."""
-                return u_prefix + ku * count
-
-            def left_after(count):
-                """Unsharded copies left by the backwards of the `count` segment layers after it, and later segments."""
-                return uab_after_seg + uab * count
             ki, ko = (1 if lm.keeps_input else 0), (1 if lm.keeps_output else 0)
             a_first = a_in + lm.input * ki * (ko - kp[k])
-            g_after = lp.lin_sum(mem[r2, c2].grads * L[r2, s, c2] for (r2, c2) in seg[idx + 1:])
-            gout = lm.output
-            own_bflat = lm.gather_flat if lm.gathers_in_backward else 0
-            here = lm.own + lm.output + lm.fwd_transient + lm.unsharded + lm.gather_flat
             name = L[k].name[2:]
-            # -- forward records: the segment's first layer and its last -------------------
-            for tag, own, held_term, others_term in fwd:
-                grads = (grads_all if own else 0) + others_term
-                base = compute_static + held_term + prefix + grads
-                after = (lambda count: left_after(count)) if own else (lambda count: 0)
-                first = base + lm.input * (1 - kp[k]) + through(1) + after(L[k] - 1)
-                last = base + total - a_in + lm.input * (1 - ko) + through(L[k]) + after(0)
-                add_memory_row(prob, first + here, limit, e[k], f"mem_{name}_{tag}_first")
-                add_memory_row(prob, last + here, limit, f[k], f"mem_{name}_{tag}_last")
-                if lm.gather_flat or lm.unsharded:
-                    gather = lm.gather_flat + lm.unsharded
-                    add_memory_row(prob, first + before_flat[r, c] + gather, limit, e[k], f"mem_{name}_{tag}_first_gather")
-                    add_memory_row(prob, last + lm.gather_flat + gather, limit, f[k], f"mem_{name}_{tag}_last_gather")
-                    if fsdp:
-                        # Inside the segment the previous layer is of the same kind; j = 1 bounds it.
-                        second = base + a_first + lm.input * (1 - ko) + through(2) + after(L[k] - 2)
-                        add_memory_row(prob, second + lm.gather_flat + gather, limit, f[k], f"mem_{name}_{tag}_second_gather")
-            # -- backward records --------------------------------------------------------------
-            # At position j of the segment: kept through j, gradients of the layers after j
-            # (first backward) or all (later ones), the layer's peak, and the neighbours'
-            # buffers: the segment's first layer sees the layer before it, its last layer the
-            # one after it; layers inside see their own kind. Inside, the record is affine in j,
-            # so j = 1 and j = L-2 bound it (when L >= 3).
-            for tag, own, held_term, others_term in bwd:
-                first_bwd = not own
-                delta = lm.bwd_peak if first_bwd else lm.bwd_accum_peak
-                base = compute_static + held_term + pmb + prefix + gout + delta + lm.unsharded + others_term
-                grads = (lambda after: g_after + lm.grads * after) if first_bwd else (lambda after: grads_all)
-                rows = [   # (where, kept through it, gradients, layers up to it, layers after it, ahead, behind, gate)
-                    ("first", a_first, grads(L[k] - 1), 1, L[k] - 1, before_bflat[r, c], lm.reduce_flat, f[k]),
-                    ("last", total, grads(0), L[k], 0, own_bflat, after_rs[r, c], f[k]),
-                    ("only", a_first, grads(0), 1, 0, before_bflat[r, c], after_rs[r, c], e[k] - f[k]),
-                ]
+            left_later = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg[idx + 1:])
+            grads_later = lp.lin_sum(mem[q].grads * L[q[0], s, q[1]] for q in seg[idx + 1:])
+
+            @functools.cache
+            def at(where: str) -> Position:
+                """The Position of the segment's first, second, penultimate, last or only layer.
+                Inside a segment every record is affine in the position and its neighbours are
+                its own kind: the first layer and the last bound it (with the second and the
+                penultimate where a neighbour's FSDP2 buffer differs from the segment's own)."""
+                starts, ends = where in ("first", "only"), where in ("last", "only")
+                upto, later, kept_through = {                   # layers up to it, after it; kept through it
+                    "first": (1, L[k] - 1, a_first), "only": (1, 0, a_first), "second": (2, L[k] - 2, a_first + a_in),
+                    "penultimate": (L[k] - 1, 1, total - a_in), "last": (L[k], 0, total)}[where]
+                kept_before = {"first": 0, "only": 0, "second": a_first, "penultimate": total - 2 * a_in,
+                               "last": total - a_in}[where]
+                return Position(
+                    kept_before=prefix + kept_before, kept_through=prefix + kept_through,
+                    input_unless_kept=lm.input * (1 - (kp[k] if starts else ko)),
+                    unsharded_through=u_prefix + ku * upto if resharded else kept_unsharded,
+                    left_after=left_later + lm.unsharded_after_backward * later, grads_after=grads_later + lm.grads * later,
+                    prev_gather_flat=before_flat[r, c] if starts else lm.gather_flat,
+                    prev_backward_flat=before_bflat[r, c] if starts else (lm.gather_flat if lm.gathers_in_backward else 0),
+                    next_reduce_flat=after_rs[r, c] if ends else lm.reduce_flat,
+                    stage_grads=grads_all, stage_micro_batch=pmb)
+
+            def add_rows(record: Record, moment_bytes, gate, where: str, tag: str) -> None:
+                """record <= limit where the segment has that layer, over the rank's `moment_bytes`."""
+                add_memory_row(prob, lp.lin_sum((moment_bytes, record.grads, record.activations, record.buffers)),
+                               limit, gate, f"mem_{name}_{tag}_{where}{record.phase.replace(' (gather)', '_gather')}")
+
+            # -- forward records (memory.forward_records): the segment's first layer and its last,
+            # and for an all-gather's copy-out the second (the first to follow its own kind) --
+            gathers = bool(lm.gather_flat or lm.unsharded)
+            for tag, own, moment_bytes in fwd:
+                where_gate = [("first", e[k]), ("last", f[k])] + ([("second", f[k])] if fsdp and gathers else [])
+                records = {where: forward_records(lm, at(where), own, False) for where, _ in where_gate}
+                rank_bytes = static + moment_bytes    # the rank's static and held bytes
+                for phase in ([""] + ([" (gather)"] if gathers else [])):
+                    for where, gate in where_gate:
+                        if where == "second" and not phase:
+                            continue
+                        add_rows(next(x for x in records[where] if x.phase == phase), rank_bytes, gate, where, tag)
+            # -- backward records (memory.backward_records): the first, last and only layer, and
+            # with FSDP2's neighbours the second and the penultimate (three or more layers) --
+            for tag, own, moment_bytes in bwd:
+                where_gate = [("first", f[k]), ("last", f[k]), ("only", e[k] - f[k])]
                 if fsdp:
                     if k not in three:
                         three[k] = prob.add_variable(f"h_{name}", cat="Binary")   # the segment has three or more layers
                         prob += L[k] >= 3 * three[k], f"h_{name}_lo"
                         prob += L[k] <= 2 + max(0, L[k].hi - 2) * three[k], f"h_{name}_hi"
-                    h = three[k]
-                    rows += [("second", a_first + a_in, grads(L[k] - 2), 2, L[k] - 2, own_bflat, lm.reduce_flat, h),
-                             ("penultimate", total - a_in, grads(1), L[k] - 1, 1, own_bflat, lm.reduce_flat, h)]
-                for where, kept, g, upto, later, ahead, behind, gate in rows:
-                    add_memory_row(prob, base + kept + g + through(upto) + left_after(later) + ahead + behind,
-                                   limit, gate, f"mem_{name}_{tag}_{where}")
-                    if lm.gathers_in_backward:
-                        # the all-gather copy-out before compute (memory.walk_rank): no peak yet,
-                        # the layer's own flat buffer, the previous reduction twice, and under
-                        # pipelining the prefetched flat buffer of the layer before
-                        add_memory_row(prob, base - delta + kept + g + through(upto) + left_after(later)
-                                       + lm.gather_flat + (2 if lm.async_reduce else 1) * behind
-                                       + (0 if resharded else ahead), limit, gate, f"mem_{name}_{tag}_{where}_gather")
+                    where_gate += [("second", three[k]), ("penultimate", three[k])]
+                rank_bytes = static + moment_bytes
+                for where, gate in where_gate:
+                    for record in backward_records(lm, at(where), own, False, resharded):
+                        add_rows(record, rank_bytes, gate, where, tag)
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
         # Valid cuts, the records above with their gates taken out. The stage's last layer runs
@@ -485,28 +472,29 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # (70B, 8 stages of ZeRO-3: root bound 18.2 -> 18.6 s of the 19.0 s optimum; ZeRO-2's
         # cutoff proof 9 s -> 2 s).
         uab_all = x.uab_all
-        for tag, own, held_term, others_term in bwd:
+        for tag, own, moment_bytes in bwd:
             first_bwd = not own
             floor = min(mem[q].output + (mem[q].bwd_peak if first_bwd else mem[q].bwd_accum_peak) + mem[q].unsharded
                         for q in seg)
-            add_memory_row(prob, compute_static + held_term + pmb + prefix + u_prefix + floor
-                           + (0 if first_bwd else grads_all) + others_term, limit, None, f"cut_mem_s{s}_{tag}_last_layer")
+            add_memory_row(prob, compute_static + moment_bytes + pmb + prefix + u_prefix + floor
+                           + (0 if first_bwd else grads_all), limit, None, f"cut_mem_s{s}_{tag}_last_layer")
             other_grads = (grads_all - max(mem[q].grads for q in seg)) if first_bwd else grads_all
-            add_memory_row(prob, compute_static + held_term + pmb + other_grads + uab_all
-                           - max(mem[q].unsharded_after_backward for q in seg) + floor + others_term, limit, None,
+            add_memory_row(prob, compute_static + moment_bytes + pmb + other_grads + uab_all
+                           - max(mem[q].unsharded_after_backward for q in seg) + floor, limit, None,
                            f"cut_mem_s{s}_{tag}_first_layer")
-        if last_stage:
+        if last_stage:                  # the loss, after every segment
             lm = loss.memory
-            x_extra = lm.input * (1 - loss_kp)
-            for tag, own, held_term, others_term in fwd:
-                grads = (grads_all if own else 0) + others_term
-                add_memory_row(prob, compute_static + u_prefix + held_term + prefix + grads + x_extra + lm.own
-                               + lm.output + lm.fwd_transient + last_flat, limit, None, f"mem_s{s}_loss_{tag}")
-            for tag, own, held_term, others_term in bwd:
-                first_bwd = not own
-                add_memory_row(prob, compute_static + u_prefix + held_term + pmb + prefix + loss_add
-                               + (0 if first_bwd else grads_all) + (lm.bwd_peak if first_bwd else lm.bwd_accum_peak)
-                               + last_flat + others_term, limit, None, f"mem_s{s}_loss_{tag}")
+            at_loss = Position(kept_before=prefix, kept_through=prefix + loss_add, input_unless_kept=lm.input * (1 - loss_kp),
+                               unsharded_through=u_prefix if resharded else kept_unsharded, prev_gather_flat=last_flat,
+                               stage_grads=grads_all, stage_micro_batch=pmb)
+            for tag, own, moment_bytes in fwd:
+                for record in forward_records(lm, at_loss, own, True):
+                    add_memory_row(prob, lp.lin_sum((static, moment_bytes, record.grads, record.activations, record.buffers)),
+                                   limit, None, f"mem_s{s}_loss_{tag}")
+            for tag, own, moment_bytes in bwd:
+                for record in backward_records(lm, at_loss, own, True, resharded):
+                    add_memory_row(prob, lp.lin_sum((static, moment_bytes, record.grads, record.activations, record.buffers)),
+                                   limit, None, f"mem_s{s}_loss_{tag}")
 
     once = {}                                    # each stage's once-per-step work (ms)
     for s in range(S):
