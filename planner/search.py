@@ -20,7 +20,7 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
-from .memory import interleaved_rounds
+from .memory import Position, backward_records, forward_records, interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
 from .partition import StageSizeSearch, even_stage_sizes
 from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, tp_within_nodes, wraps_layers
@@ -322,18 +322,20 @@ def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
     """No layout of this candidate needs less on its fullest rank.
 
     Some stage holds at least 1/pp of the model states that cannot leave the device, and
-    every layer must fit its own smallest forward/backward footprint.
+    every layer must fit its states with the smaller of its own forward and backward records
+    (memory.forward_records, backward_records: the layer alone, its input not yet kept).
     """
     states = 0
     single = 0
     for start, length in runs_of([l.signature for l in model.profile.layers]):
         best_state, best_alone = None, None
         for c in choices:
-            lc = model.layer(cand, start, c.checkpoint, c.offload)
-            m = lc.memory
+            m = model.layer(cand, start, c.checkpoint, c.offload).memory
             st = m.weights + m.optim + m.grads
-            alone = m.weights + m.optim + m.buffers + m.kept_unsharded + min(
-                m.input + m.own + m.output + m.fwd_transient, m.output + m.bwd_peak)
+            at = Position(input_unless_kept=m.input, unsharded_through=m.kept_unsharded)
+            compute = [r for r in forward_records(m, at, False, False) + backward_records(m, at, False, False, True)
+                       if not r.phase]
+            alone = m.weights + m.optim + m.buffers + min(r.grads + r.activations + r.buffers for r in compute)
             best_state = st if best_state is None else min(best_state, st)
             best_alone = alone if best_alone is None else min(best_alone, alone)
         states += length * best_state
