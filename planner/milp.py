@@ -438,12 +438,20 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             # and for an all-gather's copy-out the second (the first to follow its own kind) --
             gathers = bool(lm.gather_flat or lm.unsharded)
             for tag, own, moment_bytes in fwd:
-                where_gate = [("first", e[k]), ("last", f[k])] + ([("second", f[k])] if fsdp and gathers else [])
+                # From the second layer on, a compute record grows by what a layer keeps and
+                # shrinks by the copy its backward left (pipelining, once gradients exist). When it
+                # shrinks, the first layer's is the highest, unless the layer keeps neither input
+                # nor output: then the second counts its input, which the first may find kept by
+                # the layer before, and can top it. Written there too in that case alone, so that
+                # every other MILP keeps its rows.
+                falls = (own and not lm.keeps_input and not lm.keeps_output
+                         and lm.unsharded_after_backward > a_in)
+                where_gate = [("first", e[k]), ("last", f[k])] + ([("second", f[k])] if fsdp and (gathers or falls) else [])
                 records = {where: forward_records(lm, at(where), own, False) for where, _ in where_gate}
                 rank_bytes = static + moment_bytes    # the rank's static and held bytes
                 for phase in ([""] + ([" (gather)"] if gathers else [])):
                     for where, gate in where_gate:
-                        if where == "second" and not phase:
+                        if where == "second" and not (phase or falls):
                             continue
                         add_rows(next(x for x in records[where] if x.phase == phase), rank_bytes, gate, where, tag)
             # -- backward records (memory.backward_records): the first, last and only layer, and

@@ -137,3 +137,30 @@ def add_tensor_parallel_samples(rng: random.Random, prof: Profile) -> Profile:
             prof.loss.split_samples[t][b] = q
     prof.loss.refit()
     return prof
+
+
+def keeps_neither_profile(rng: random.Random, n_layers: int = 7) -> Profile:
+    """A layer that keeps its output, a run of identical layers that keep neither their input
+    nor their output (parameters smaller than their activations), then a layer with a narrow
+    output and a last layer: under pipelined ZeRO 3, once gradients exist, the run's forward
+    peaks at its second layer (the first finds its input kept by the layer before, and the copies
+    the later layers' backwards left shrink along the run)."""
+    prof = random_profile(rng, n_layers, repeat_runs=False)
+    width, own, rows = rng.choice([16, 32]) * 1024, rng.choice([1, 2]) * 1024, rng.choice([4, 8, 16])
+    for i, lp in enumerate(prof.layers):
+        numel = rows * 128
+        lp.params = [ParamInfo("w", [rows, 128], None)]
+        lp.param_count, lp.param_bytes, lp.compute_param_bytes, lp.grad_bytes = numel, 4 * numel, 4 * numel, 4 * numel
+        lp.optimizer_state_bytes, lp.tp_param_bytes = 8 * numel + 4, 0
+        lp.signature = "run" if 0 < i < n_layers - 2 else f"layer{i}"
+        for b, s in lp.samples.items():
+            s.input_bytes = 256 * b if i == n_layers - 1 else width * b
+            s.output_bytes = 256 * b if i >= n_layers - 2 else width * b
+            s.saved_input_bytes, s.saved_output_bytes = 0, (s.output_bytes if i == 0 else 0)
+            s.saved_bytes = own * b + s.saved_output_bytes
+            s.fwd_transient_bytes, s.bwd_accum_peak_bytes, s.bwd_peak_bytes = 0, 512 * b, 512 * b + lp.grad_bytes
+        lp.refit()
+    for b, s in prof.loss.samples.items():
+        s.input_bytes = s.saved_bytes = s.fwd_transient_bytes = s.bwd_peak_bytes = s.bwd_accum_peak_bytes = 256 * b
+    prof.loss.refit()
+    return prof
