@@ -34,7 +34,7 @@ from planner.build import build_plan  # noqa: E402
 from planner.cost import Candidate, CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 from planner.partition import even_stage_sizes  # noqa: E402
-from planner.plan import load_plan, wraps_layers  # noqa: E402
+from planner.plan import Placed, load_plan, wraps_layers  # noqa: E402
 from planner.search import Solution, SolveOptions  # noqa: E402
 from planner.run_report import load_run  # noqa: E402
 from planner.verify import compare  # noqa: E402
@@ -93,7 +93,7 @@ CASES = [
 ]
 
 
-def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
+def stages_for(n: int, case: Case) -> list[list[Placed]]:
     """Contiguous stages split as the planner splits a pipeline of several stages a rank
     (partition.even_stage_sizes: the remainder to the end stages, which also hold the embedding
     and the head); 'some' = every other layer from the second."""
@@ -104,7 +104,7 @@ def stages_for(n: int, case: Case) -> list[list[tuple[int, str, bool]]]:
             ck = {"all": "full", "selective": "selective", "mixed": "full" if i % 2 else "selective",
                   "some": "full" if i % 2 else "none"}.get(case.checkpoint, "none")
             off = case.offload == "some" and i % 2 == 1
-            st.append((i, ck, off))
+            st.append(Placed(i, ck, off))
             i += 1
         out.append(st)
     return out

@@ -9,7 +9,7 @@ from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction
 from .hardware import HOST_USABLE_FRACTION, Hardware, format_size, size_flag_at_least
-from .plan import LayerChoice, OptimizerConfig, Plan, Predicted, PredictedStage, Stage, fsdp_unit
+from .plan import LayerChoice, OptimizerConfig, Placed, Plan, Predicted, PredictedStage, Stage, fsdp_unit
 from .search import SearchResult, Solution, SolveError, SolveOptions, frugal_fit
 
 
@@ -40,13 +40,13 @@ def summary(sol: Solution) -> dict:
     }
 
 
-def layout_of(plan: Plan) -> tuple[Candidate, list[list[tuple[int, str, bool]]]]:
+def layout_of(plan: Plan) -> tuple[Candidate, list[list[Placed]]]:
     """A plan's candidate and per-stage (layer, checkpoint, offload), as the search makes them
     (build_plan's inverse): to predict a plan again with another cost model."""
     offload = any(lc.offload for st in plan.stages for lc in st.layers)
     cand = Candidate(plan.dp, plan.tp, plan.pp, plan.micro_batch_size, plan.num_micro_batches, plan.zero, plan.schedule,
                      plan.wrapped_layout, offload, plan.virtual_stages, plan.sequence_parallel)
-    return cand, [[(lc.index, lc.checkpoint, lc.offload) for lc in st.layers] for st in plan.stages]
+    return cand, [[Placed(lc.index, lc.checkpoint, lc.offload) for lc in st.layers] for st in plan.stages]
 
 
 def launch_command(world_size: int, gpus_per_node: int, plan_path: str) -> str:

@@ -43,7 +43,7 @@ from profiles.schema import LayerProfile, LayerSample, Profile, splits_evenly
 
 from .hardware import PRESETS, Hardware
 from .memory import Chunk, LayerMemory, StageMemory, holds_sends, pipeline_buffers, schedule_actions, walk_rank
-from .plan import checkpoint_mode, fsdp_unit, wraps_layers
+from .plan import Placed, checkpoint_mode, fsdp_unit, wraps_layers
 
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
@@ -453,12 +453,12 @@ class CostModel:
         return numel * touches * self.store_isz / self.hw.memory_bandwidth()
 
     # -- a whole layout -------------------------------------------------------------------
-    def stage_costs(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[list[LayerCost], LayerCost | None]:
+    def stage_costs(self, cand: Candidate, stage: int, choices: list[Placed]) -> tuple[list[LayerCost], LayerCost | None]:
         costs = [self.layer(cand, i, ck, off) for i, ck, off in choices]
         last = choices[-1][0] == self.profile.n_layers - 1
         return costs, (self.loss(cand) if last else None)
 
-    def stage_buffers(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[int, int, int, int]:
+    def stage_buffers(self, cand: Candidate, stage: int, choices: list[Placed]) -> tuple[int, int, int, int]:
         """Bytes outside the layers: (alive all step, per in-flight micro-batch, in a forward
         that follows a backward, held by the sends of each finished micro-batch).
 
@@ -483,7 +483,7 @@ class CostModel:
         return (int(self.profile.batch["input_bytes_per_sample"] * b * m) if is_first else 0) \
             + (int(self.profile.batch["target_bytes_per_sample"] * b * m) if is_last else 0)
 
-    def rank_memory(self, cand: Candidate, rank: int, chunks: list[tuple[int, list[tuple[int, str, bool]]]]) -> StageMemory:
+    def rank_memory(self, cand: Candidate, rank: int, chunks: list[tuple[int, list[Placed]]]) -> StageMemory:
         """The memory of pp rank `rank` over a step, running `chunks`: (stage index, its layers' choices)
         of each of its stages (stages rank, rank + pp, ...)."""
         mine = tuple((s, tuple(choices)) for s, choices in chunks)
@@ -503,12 +503,12 @@ class CostModel:
         return walk_rank(chunks, actions, reshard_after_backward=cand.pp == 1, input_is_held=True,
                          sends_held=holds_sends(cand.schedule))
 
-    def stage_times(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> tuple[float, float]:
+    def stage_times(self, cand: Candidate, stage: int, choices: list[Placed]) -> tuple[float, float]:
         """(time per micro-batch, time once per step) of one stage."""
         terms = self.stage_terms(cand, stage, choices)
         return terms.per_micro_batch, terms.once_per_step
 
-    def stage_terms(self, cand: Candidate, stage: int, choices: list[tuple[int, str, bool]]) -> TimeTerms:
+    def stage_terms(self, cand: Candidate, stage: int, choices: list[Placed]) -> TimeTerms:
         costs, loss = self.stage_costs(cand, stage, choices)
         first, last = choices[0][0], choices[-1][0]
         terms = self.time_terms(
@@ -571,7 +571,7 @@ class CostModel:
             nbytes += self.sample(last, cand).output_bytes
         return nbytes
 
-    def evaluate(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> Prediction:
+    def evaluate(self, cand: Candidate, stages: list[list[Placed]]) -> Prediction:
         """Memory and time of a layout; `stages[s]` lists (layer, checkpoint, offload) in order.
         A stage's memory is its rank's (all the stages it runs)."""
         preds = []
@@ -585,7 +585,7 @@ class CostModel:
                                          host_bytes=sum(c.memory.host for c in costs)))
         return self.finish(cand, preds)
 
-    def overfills_a_rank(self, cand: Candidate, stages: list[list[tuple[int, str, bool]]]) -> bool:
+    def overfills_a_rank(self, cand: Candidate, stages: list[list[Placed]]) -> bool:
         """Whether some pp rank of the layout peaks over the memory limit: evaluate's `fits` on
         the device side alone, stopping at the first rank over (rank 0 first: it holds the most
         micro-batches in flight)."""
@@ -688,7 +688,7 @@ def single_device_peak(profile: Profile, micro_batch_size: int, checkpoint: list
     cand = Candidate(1, 1, 1, micro_batch_size, num_micro_batches, 0, "1f1b", False, False)
     model = CostModel(profile, PRESETS["cpu"], 1, 1 << 62)   # memory does not depend on the hardware
     checkpoint = checkpoint or ["none"] * profile.n_layers
-    return model.rank_memory(cand, 0, [(0, [(i, c, False) for i, c in enumerate(checkpoint)])])
+    return model.rank_memory(cand, 0, [(0, [Placed(i, c, False) for i, c in enumerate(checkpoint)])])
 
 
 def _numel(shape) -> int:

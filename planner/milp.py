@@ -52,7 +52,7 @@ from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import (Moment, Position, Record, StageBytes, backward_records, final_reduction_record, forward_records, held_at,
                      holds_sends, peak_moments, pipeline_buffers, schedule_actions)
-from .plan import checkpoint_mode
+from .plan import Placed, checkpoint_mode
 
 GAP_REL = 1e-9          # solve to optimality: the solvers' default gaps would accept 0.01% worse layouts
 CUTOFF_SLACK = 1e-6        # a cutoff keeps layouts this much above it (exact ties stay)
@@ -86,7 +86,7 @@ class Layout:
     """The MILP's answer: per stage, (layer, checkpoint, offload) in order; or why not."""
 
     status: str                                   # "optimal" | "infeasible" | "cut off" | "time limit" | "skipped" (search: not asked) | solver status
-    stages: list[list[tuple[int, str, bool]]] | None
+    stages: list[list[Placed]] | None
     objective: float | None
 
 
@@ -121,7 +121,7 @@ def add_bytes_bound(prob: lp.Model, lhs, rhs, limit: int, name: str) -> None:
 
 
 def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solver: str = "highs",
-                 time_limit: float | None = None, fixed: list[list[tuple[int, str, bool]]] | None = None,
+                 time_limit: float | None = None, fixed: list[list[Placed]] | None = None,
                  memory: bool = True, cutoff: float | None = None, lower_bound: float | None = None,
                  run_choices: list[list[Choice]] | None = None, stage_sizes: list[int] | None = None) -> Layout:
     """Solve the layout MILP for one candidate (`fixed`: only this layout, to check it;
@@ -584,13 +584,13 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
     if status not in ("optimal", "time limit"):
         return Layout(status, None, None)
 
-    stages: list[list[tuple[int, str, bool]]] = []
+    stages: list[list[Placed]] = []
     placed = {r: runs[r][0] for r in range(R)}
     for s in range(S):
         layers = []
         for r, c in segs[s]:
             for _ in range(round(L[r, s, c].value())):
-                layers.append((placed[r], c.checkpoint, c.offload))
+                layers.append(Placed(placed[r], c.checkpoint, c.offload))
                 placed[r] += 1
         stages.append(layers)
     return Layout(status, stages, prob.objective_value() / MS)

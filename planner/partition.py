@@ -40,6 +40,7 @@ from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import LayerMemory, moments, schedule_actions
 from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
+from .plan import Placed
 
 
 MAX_SPLITS = 50_000      # a stage's choice splits listed at once (numpy); past it, floors by relaxation, vectors by pinned MILPs
@@ -129,7 +130,7 @@ class StageOption:
     time_s: float
     once_s: float
     host: int
-    layers: list[tuple[int, str, bool]]
+    layers: list[Placed]
 
 
 @dataclass
@@ -490,11 +491,11 @@ class StageSizeSearch:
                 state.least_once = state.once_s[j]
         return [o for o in state.frontier if o.time_s <= most_s]
 
-    def _stage_layout(self, state: "_StageLayouts", j: int) -> list[tuple[int, str, bool]]:
+    def _stage_layout(self, state: "_StageLayouts", j: int) -> list[Placed]:
         """The stage's (layer, checkpoint, offload) of split j: each run's layers take the
         choices in canonical order."""
         picks = [c for (_, c), count in zip(state.cols, state.counts[j]) for _ in range(int(round(count)))]
-        return [(i, c.checkpoint, c.offload) for i, c in zip(range(state.a, state.a + len(picks)), picks)]
+        return [Placed(i, c.checkpoint, c.offload) for i, c in zip(range(state.a, state.a + len(picks)), picks)]
 
     def solve_sizes(self, sizes: tuple[int, ...], bar: float) -> Layout | None:
         """The best layout with these stage sizes whose step is within `bar`, without a MILP:

@@ -10,6 +10,7 @@ can hold the run to it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 from profiles.schema import OPTIMIZERS, PRECISIONS, read_json_document, write_json_atomic
@@ -67,6 +68,16 @@ def fsdp_unit(wrapped: bool, zero: int, offload: bool) -> str:
     if offload or zero == 3:
         return "shard"
     return "shard_keep" if zero == 2 else "replicate"
+
+
+class Placed(NamedTuple):
+    """A layer as the planner's layouts hold it, per stage in order (`list[list[Placed]]`): a
+    LayerChoice without its FSDP2 unit (the candidate decides that), immutable and hashable,
+    because the cost model caches by layouts and the searches compare millions of them."""
+
+    layer: int                 # its position in the model's nn.Sequential
+    checkpoint: str            # CHECKPOINT_MODES
+    offload: bool
 
 
 @dataclass

@@ -23,7 +23,7 @@ from .hardware import Hardware
 from .memory import Position, backward_records, forward_records, interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
 from .partition import StageSizeSearch, even_stage_sizes
-from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, tp_within_nodes, wraps_layers
+from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, Placed, tp_within_nodes, wraps_layers
 
 
 class SolveError(Exception):
@@ -63,7 +63,7 @@ class SolveOptions:
 @dataclass
 class Solution:
     candidate: Candidate
-    stages: list[list[tuple[int, str, bool]]]
+    stages: list[list[Placed]]
     prediction: Prediction
 
 
@@ -506,16 +506,16 @@ def frugal_fit(profile: Profile, opts: SolveOptions) -> Candidate | None:
     return None
 
 
-def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[tuple[int, str, bool]]]:
+def frugal_layout(model: CostModel, cand: Candidate, choices) -> list[list[Placed]]:
     """Layers split evenly over the stages, each with the choice that keeps the least on the
     device (checkpointed, and offloaded where offload is open)."""
     return uniform_layout(model, cand, max(choices, key=lambda ch: (ch.offload, CHECKPOINT_MODES.index(ch.checkpoint))))
 
 
-def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[tuple[int, str, bool]]]:
+def uniform_layout(model: CostModel, cand: Candidate, c) -> list[list[Placed]]:
     """Layers split evenly over the stages (even_stage_sizes), every one with choice c."""
     bounds = list(itertools.accumulate(even_stage_sizes(model.profile.n_layers, cand.n_stages), initial=0))
-    return [[(i, c.checkpoint, c.offload) for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
+    return [[Placed(i, c.checkpoint, c.offload) for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
 
 
 SEED_TRIED = 4   # seeding the cutoff: candidates tried per layout wanted (top K), in bound order
@@ -608,7 +608,7 @@ def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[
     is small, and the shortcut is never needed for exactness."""
     if takes_its_choices(model, cand, needed):
         runs = runs_of([layer.signature for layer in model.profile.layers])
-        stages = [[(i, o[0].checkpoint, o[0].offload) for (start, length), o in zip(runs, needed)
+        stages = [[Placed(i, o[0].checkpoint, o[0].offload) for (start, length), o in zip(runs, needed)
                    for i in range(start, start + length)]]
         return Layout("optimal", stages, model.evaluate(cand, stages).step_s), 0
     if cand.pp == 1 and any(len(o) > 1 for o in needed):
@@ -674,15 +674,13 @@ def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECK
             for flag in (1, 2):                       # 1: checkpoint, 2: offload
                 refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
-                    kind = (signature[st[j][0]], st[j][1:])
-                    options = lighter.get(st[j][1], []) if flag == 1 else ([False] if st[j][2] else [])
+                    kind = (signature[st[j].layer], st[j][1:])
+                    options = lighter.get(st[j].checkpoint, []) if flag == 1 else ([False] if st[j].offload else [])
                     if not options or kind in refused:
                         continue
                     for undone in options:
-                        layer = list(st[j])
-                        layer[flag] = undone
                         trial = [list(x) for x in stages]
-                        trial[s][j] = tuple(layer)
+                        trial[s][j] = st[j]._replace(**{"checkpoint" if flag == 1 else "offload": undone})
                         if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
                             continue                  # this candidate exists only to offload
                         pred = model.evaluate(cand, trial)
