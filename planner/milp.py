@@ -297,12 +297,11 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         resharded = S == 1
         compute_static = static + (0 if resharded else kept_unsharded)
         uab_all = lp.lin_sum(mem[q].unsharded_after_backward * L[q[0], s, q[1]] for q in seg)
-        sums[s] = SimpleNamespace(
-            last_stage=last_stage, mem=mem, totals=totals, per_mb=per_mb, pmb=pmb, static=static,
-            compute_static=compute_static, grads_all=grads_all, step_grads=step_grads, kept_unsharded=kept_unsharded,
-            uab_all=uab_all, loss_add=loss_add, loss_kp=loss_kp, resharded=resharded,
+        sums[s] = SimpleNamespace(      # the stage's totals (what the rank's records read), and the MILP's own
             bytes=StageBytes(static=static, grads=grads_all, step_grads=step_grads, kept_unsharded=kept_unsharded,
-                             left_after_backward=uab_all, per_micro_batch=per_mb, after_backward=after_backward, sent=sent))
+                             left_after_backward=uab_all, per_micro_batch=per_mb, after_backward=after_backward, sent=sent),
+            last_stage=last_stage, mem=mem, totals=totals, pmb=pmb, compute_static=compute_static,
+            loss_add=loss_add, loss_kp=loss_kp, resharded=resharded)
         return sums[s]
 
     def add_stage_memory_rows(s: int) -> None:
@@ -314,8 +313,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         x = mine[chunk]
         seg = segs[s]
         last_stage, mem, totals, pmb = x.last_stage, x.mem, x.totals, x.pmb
-        static, compute_static, grads_all = x.static, x.compute_static, x.grads_all
-        kept_unsharded, loss_add, loss_kp, resharded = x.kept_unsharded, x.loss_add, x.loss_kp, x.resharded
+        static, grads_all, kept_unsharded, uab_all = x.bytes.static, x.bytes.grads, x.bytes.kept_unsharded, x.bytes.left_after_backward
+        compute_static, loss_add, loss_kp, resharded = x.compute_static, x.loss_add, x.loss_kp, x.resharded
         rest = [y for j, y in enumerate(mine) if j != chunk]
         moments = peak_moments(schedule_actions(cand.schedule, pp, rank, m, v), v, sends_held)
 
@@ -323,7 +322,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             """What the rank holds at this moment besides this stage's static bytes and records
             (memory.held_at), with its other stages' static bytes."""
             h = held_at(mo, [y.bytes for y in mine], resharded)
-            return lp.lin_sum([y.static for y in rest] + [h.grads, h.activations, h.buffers])
+            return lp.lin_sum([y.bytes.static for y in rest] + [h.grads, h.activations, h.buffers])
 
         def classes(kind: str) -> list:
             """Per class of this stage's moments (its own gradients absent, present): the rows'
@@ -347,7 +346,8 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
 
         fwd, bwd = classes("F"), classes("B")
         if chunk == 0:                  # one row for the rank
-            add_memory_row(prob, lp.lin_sum(y.static + y.step_grads for y in mine), limit, None, f"mem_s{s}_optimizer_step")
+            add_memory_row(prob, lp.lin_sum(y.bytes.static + y.bytes.step_grads for y in mine), limit, None,
+                           f"mem_s{s}_optimizer_step")
         if any(mem[q].step_grads is not None for q in seg):
             # Pipelining reduces the accumulated unsharded gradients at the step's end
             # (memory.final_reduction_record), its largest flat buffer the highest of this stage's.
@@ -355,7 +355,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             for (r, c) in seg:
                 add_bytes_bound(prob, biggest, mem[r, c].final_reduce_flat * e[r, s, c], limit, f"final_reduce_{L[r, s, c].name[2:]}")
             final = final_reduction_record([y.bytes for y in mine], biggest, m)
-            add_memory_row(prob, lp.lin_sum([y.static for y in mine] + [final.grads, final.activations, final.buffers]),
+            add_memory_row(prob, lp.lin_sum([y.bytes.static for y in mine] + [final.grads, final.activations, final.buffers]),
                            limit, None, f"mem_s{s}_final_reduce")
 
         # FSDP2 buffers of neighbouring layers (memory.walk_rank): chains over the stage's
@@ -479,7 +479,6 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
         # switches those rows off in the relaxation, which then saw no activation memory at all
         # (70B, 8 stages of ZeRO-3: root bound 18.2 -> 18.6 s of the 19.0 s optimum; ZeRO-2's
         # cutoff proof 9 s -> 2 s).
-        uab_all = x.uab_all
         for tag, own, moment_bytes in bwd:
             first_bwd = not own
             floor = min(mem[q].output + (mem[q].bwd_peak if first_bwd else mem[q].bwd_accum_peak) + mem[q].unsharded
