@@ -445,7 +445,7 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                 # the layer before, and can top it. Written there too in that case alone, so that
                 # every other MILP keeps its rows.
                 falls = (own and not lm.keeps_input and not lm.keeps_output
-                         and lm.unsharded_after_backward > a_in)
+                         and lm.unsharded_after_backward > a_in and L[k].hi >= 2)
                 where_gate = [("first", e[k]), ("last", f[k])] + ([("second", f[k])] if fsdp and (gathers or falls) else [])
                 records = {where: forward_records(lm, at(where), own, False) for where, _ in where_gate}
                 rank_bytes = static + moment_bytes    # the rank's static and held bytes
