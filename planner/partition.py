@@ -38,7 +38,7 @@ import numpy as np
 
 from . import lp
 from .cost import Candidate, CostModel, must_offload
-from .memory import LayerMemory, moments, schedule_actions
+from .memory import LayerMemory, holds_sends, moments, pipeline_buffers, schedule_actions
 from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 from .plan import Placed
 
@@ -201,9 +201,9 @@ class StageSizeSearch:
             return self._floors[key]
         model, cand, m = self.model, self.cand, self.m
         counts, last, stage_in, stage_out = dict(key[1]), key[3], key[4], key[5]
-        # The stage's buffers (CostModel.stage_buffers, the MILP's convention for a run's bytes).
-        static = model.batch_bytes(cand, s == 0, last) + m * (stage_in + (0 if last else stage_out))
-        per_mb = stage_out
+        # The stage's buffers (memory.pipeline_buffers), with the MILP's convention for a run's bytes.
+        recv, per_mb, _, _ = pipeline_buffers(m, stage_in, stage_out, s == 0, last, holds_sends(cand.schedule))
+        static = model.batch_bytes(cand, s == 0, last) + recv
         col = self._columns(key[1])
         cols, mem, kept = col.cols, col.mem, col.kept
         # A layer that keeps only its input finds it kept already when it is the stage's first
