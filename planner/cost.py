@@ -412,6 +412,12 @@ class CostModel:
         neighbour is dp x tp ranks away)."""
         if group <= 1:
             return 0.0, 0.0
+        key = ("collective", kind, group, span, cand.num_micro_batches * cand.virtual_stages, cand.pp, cand.world_size)
+        if key not in self._cache:                 # what it depends on (busy_ranks' key with the group's)
+            self._cache[key] = self._collective_terms(kind, group, cand, span)
+        return self._cache[key]
+
+    def _collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None) -> tuple[float, float]:
         if self.hw.device_type == "cpu" and self.hw.collectives:
             # Each fit was measured with a number of processes busy; a pipeline keeps fewer busy
             # some of the step (busy_ranks), as compute_scale counts: the mean over the slots
