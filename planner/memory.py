@@ -252,7 +252,7 @@ class Chunk:
     name: str = ""                       # in phase names ("stage 3 "), where a rank runs several
 
 
-@dataclass
+@dataclass(slots=True)
 class Position:
     """What a layer's records read about where the layer stands in its stage, for one
     micro-batch: numbers in the walk (layer i), linear expressions of the layer counts in the
@@ -273,7 +273,7 @@ class Position:
     stage_micro_batch: Any = 0    # what the stage holds per micro-batch outside its layers (Chunk)
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One place a rank's live bytes can peak while a layer runs: the stage's gradients, its
     activations and its FSDP2 buffers there (the rank's static and held bytes come on top)."""
@@ -346,7 +346,7 @@ def positions(seq: list[LayerMemory], n_layers: int, reshard_after_backward: boo
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class StageBytes:
     """A stage's totals over its layers, as the records of its rank read them while another
     of the rank's stages runs, and at the step's end (numbers in the walk, expressions in the MILP)."""
@@ -430,7 +430,7 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
     at_of = [positions(seq, len(c.layers), reshard_after_backward, input_is_held, c.per_micro_batch_buffers)
              for seq, c in zip(seqs, chunks)]
 
-    timeline: list[tuple[str, int, int, int]] = []   # (phase, live, grads, activations)
+    timeline: list[tuple] = []   # (phase, live, grads, activations); a layer's phase named only if it wins
 
     def record(phase, grads, acts, other=0):
         timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
@@ -453,7 +453,7 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
             else:
                 records = backward_records(l, at_of[j][i], moment.grads_here, l is loss, reshard_after_backward)
             for r in records:
-                record(prefix + _name(i, chunk.layers) + r.phase, held.grads + r.grads, held.activations + r.activations,
+                record((prefix, i, len(chunk.layers), r.phase), held.grads + r.grads, held.activations + r.activations,
                        held.buffers + r.buffers)
     if any(l.step_grads is not None for l in every):
         final = final_reduction_record(stages, max(l.final_reduce_flat for l in every),
@@ -462,9 +462,9 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
     record("optimizer step", sum(st.step_grads for st in stages), 0)
 
     phase, live, g, acts = max(timeline, key=lambda t: t[1])
+    if isinstance(phase, tuple):
+        prefix, i, n_layers, suffix = phase
+        phase = prefix + (f"layer {i}" if i < n_layers else "loss") + suffix
     return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,
                        buffers=live - weights - optim - g - acts)
 
-
-def _name(i: int, layers: list) -> str:
-    return f"layer {i}" if i < len(layers) else "loss"
