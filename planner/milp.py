@@ -345,6 +345,12 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             return out
 
         fwd, bwd = classes("F"), classes("B")
+        rank_bytes = {tag: static + moment_bytes for tag, _, moment_bytes in fwd + bwd}   # static and held, per class
+
+        def add_record_row(record: Record, tag: str, gate, name: str) -> None:
+            """One of memory's records at a class of moments, within the limit where `gate` (its layer exists)."""
+            add_memory_row(prob, lp.lin_sum((rank_bytes[tag], record.grads, record.activations, record.buffers)),
+                           limit, gate, name)
         if chunk == 0:                  # one row for the rank
             add_memory_row(prob, lp.lin_sum(y.bytes.static + y.bytes.step_grads for y in mine), limit, None,
                            f"mem_s{s}_optimizer_step")
@@ -429,15 +435,13 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                     next_reduce_flat=after_rs[r, c] if ends else lm.reduce_flat,
                     stage_grads=grads_all, stage_micro_batch=pmb)
 
-            def add_rows(record: Record, moment_bytes, gate, where: str, tag: str) -> None:
-                """record <= limit where the segment has that layer, over the rank's `moment_bytes`."""
-                add_memory_row(prob, lp.lin_sum((moment_bytes, record.grads, record.activations, record.buffers)),
-                               limit, gate, f"mem_{name}_{tag}_{where}{record.phase.replace(' (gather)', '_gather')}")
+            def add_rows(record: Record, tag: str, gate, where: str) -> None:
+                add_record_row(record, tag, gate, f"mem_{name}_{tag}_{where}{record.phase.replace(' (gather)', '_gather')}")
 
             # -- forward records (memory.forward_records): the segment's first layer and its last,
             # and for an all-gather's copy-out the second (the first to follow its own kind) --
             gathers = bool(lm.gather_flat or lm.unsharded)
-            for tag, own, moment_bytes in fwd:
+            for tag, own, _ in fwd:
                 # From the second layer on, a compute record grows by what a layer keeps and
                 # shrinks by the copy its backward left (pipelining, once gradients exist). When it
                 # shrinks, the first layer's is the highest, unless the layer keeps neither input
@@ -448,15 +452,15 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                          and lm.unsharded_after_backward > a_in and L[k].hi >= 2)
                 where_gate = [("first", e[k]), ("last", f[k])] + ([("second", f[k])] if fsdp and (gathers or falls) else [])
                 records = {where: forward_records(lm, at(where), own, False) for where, _ in where_gate}
-                rank_bytes = static + moment_bytes    # the rank's static and held bytes
-                for phase in ([""] + ([" (gather)"] if gathers else [])):
+                for where, gate in where_gate:      # its compute (the last record), at the second where it falls
+                    if where != "second" or falls:
+                        add_rows(records[where][-1], tag, gate, where)
+                if gathers:                         # its all-gather's copy-out (the first)
                     for where, gate in where_gate:
-                        if where == "second" and not (phase or falls):
-                            continue
-                        add_rows(next(x for x in records[where] if x.phase == phase), rank_bytes, gate, where, tag)
+                        add_rows(records[where][0], tag, gate, where)
             # -- backward records (memory.backward_records): the first, last and only layer, and
             # with FSDP2's neighbours the second and the penultimate (three or more layers) --
-            for tag, own, moment_bytes in bwd:
+            for tag, own, _ in bwd:
                 where_gate = [("first", f[k]), ("last", f[k]), ("only", e[k] - f[k])]
                 if fsdp:
                     if k not in three:
@@ -464,10 +468,9 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
                         prob += L[k] >= 3 * three[k], f"h_{name}_lo"
                         prob += L[k] <= 2 + max(0, L[k].hi - 2) * three[k], f"h_{name}_hi"
                     where_gate += [("second", three[k]), ("penultimate", three[k])]
-                rank_bytes = static + moment_bytes
                 for where, gate in where_gate:
                     for record in backward_records(lm, at(where), own, False, resharded):
-                        add_rows(record, rank_bytes, gate, where, tag)
+                        add_rows(record, tag, gate, where)
             prefix = prefix + total
             u_prefix = u_prefix + ku * L[k]
         # Valid cuts, the records above with their gates taken out. The stage's last layer runs
@@ -494,14 +497,12 @@ def solve_layout(model: CostModel, cand: Candidate, choices: list[Choice], solve
             at_loss = Position(kept_before=prefix, kept_through=prefix + loss_add, input_unless_kept=lm.input * (1 - loss_kp),
                                unsharded_through=u_prefix if resharded else kept_unsharded, prev_gather_flat=last_flat,
                                stage_grads=grads_all, stage_micro_batch=pmb)
-            for tag, own, moment_bytes in fwd:
+            for tag, own, _ in fwd:
                 for record in forward_records(lm, at_loss, own, True):
-                    add_memory_row(prob, lp.lin_sum((static, moment_bytes, record.grads, record.activations, record.buffers)),
-                                   limit, None, f"mem_s{s}_loss_{tag}")
-            for tag, own, moment_bytes in bwd:
+                    add_record_row(record, tag, None, f"mem_s{s}_loss_{tag}")
+            for tag, own, _ in bwd:
                 for record in backward_records(lm, at_loss, own, True, resharded):
-                    add_memory_row(prob, lp.lin_sum((static, moment_bytes, record.grads, record.activations, record.buffers)),
-                                   limit, None, f"mem_s{s}_loss_{tag}")
+                    add_record_row(record, tag, None, f"mem_s{s}_loss_{tag}")
 
     once = {}                                    # each stage's once-per-step work (ms)
     for s in range(S):
