@@ -671,16 +671,16 @@ def simplify(model: CostModel, cand: Candidate, stages, modes: list[str] = CHECK
     while changed:                                    # until a whole pass changes nothing
         changed = False
         for s, st in enumerate(stages):
-            for flag in (1, 2):                       # 1: checkpoint, 2: offload
+            for knob in ("checkpoint", "offload"):
                 refused = set()                       # (layer kind, choice) whose last one had to stay
                 for j in reversed(range(len(st))):
-                    kind = (signature[st[j].layer], st[j][1:])
-                    options = lighter.get(st[j].checkpoint, []) if flag == 1 else ([False] if st[j].offload else [])
+                    kind = (signature[st[j].layer], st[j].checkpoint, st[j].offload)
+                    options = lighter.get(st[j].checkpoint, []) if knob == "checkpoint" else ([False] if st[j].offload else [])
                     if not options or kind in refused:
                         continue
                     for undone in options:
                         trial = [list(x) for x in stages]
-                        trial[s][j] = st[j]._replace(**{"checkpoint" if flag == 1 else "offload": undone})
+                        trial[s][j] = st[j]._replace(**{knob: undone})
                         if must_offload(cand, model.precision) and not any(o for t in trial for _, _, o in t):
                             continue                  # this candidate exists only to offload
                         pred = model.evaluate(cand, trial)
