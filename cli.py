@@ -325,6 +325,7 @@ def solve(
     checkpoint: str = typer.Option("auto", help="Activation checkpointing, every layer pinned to one mode: none | selective (recompute all but matmuls and attention) | all (recompute the whole layer); or auto: each layer's mode solved."),
     offload: str = typer.Option("auto", help="CPU offload of layers: none | auto."),
     sequence_parallel: str = typer.Option("auto", help="Sequence parallelism under tensor parallelism (the tp_plan's \"sequence\" modules, its norms, on slices of the sequence): on | off | auto."),
+    workers: Optional[int] = typer.Option(None, help="Processes that solve candidates ahead of the search once one candidate's solve takes a second (default: the cores this process may use; 1: none). The plan is the same for any number."),
     output: Path = typer.Option(Path("plan.json"), "-o", "--output", help="Where to write the plan."),
     wide: bool = WIDE,
 ):
@@ -343,7 +344,7 @@ def solve(
                             memory_limit=limit, top_k=top, solver=solver, dp=dp, tp=tp, pp=pp,
                             micro_batch=micro_batch, zero=zero, schedule=schedule, virtual_stages=virtual_stages,
                             checkpoint=checkpoint, sequence_parallel=sequence_parallel,
-                            offload=offload, time_limit=time_limit)
+                            offload=offload, time_limit=time_limit, workers=workers)
         with Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as bar:
             task = bar.add_task("solve", total=None)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import time
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,6 +25,7 @@ from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .memory import Position, backward_records, forward_records, interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
+from .parallel import Job, Workers
 from .partition import StageSizeSearch, even_stage_sizes
 from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, Placed, tp_within_nodes, wraps_layers
 
@@ -50,6 +54,7 @@ class SolveOptions:
     sequence_parallel: str = "auto"          # on | off | auto: under tp > 1, where the model's tp_plan offers it
     offload: str = "auto"                    # none | auto
     time_limit: float = 20.0                 # seconds per candidate's memory solve (a MILP, or a pipeline's stage sizes); past it the layout is reported as unproven
+    workers: int | None = None               # processes solving candidates ahead (planner.parallel); default: the cores, 1: none
 
     @property
     def node_size(self) -> int:
@@ -168,6 +173,8 @@ def check_options(profile: Profile, opts: SolveOptions) -> None:
         raise SolveError(f"--time-limit is {opts.time_limit}; give a positive number of seconds.")
     if opts.solver not in ("cbc", "highs"):
         raise SolveError(f"--solver {opts.solver} is not cbc or highs.")
+    if opts.workers is not None and opts.workers < 1:
+        raise SolveError(f"--workers is {opts.workers}; give 1 (no workers) or more.")
     if not any(True for _ in enumerate_candidates(profile, opts)):
         raise SolveError(f"no layout of {n} GPUs matches the pinned flags and a global batch of {g}; unpin a degree or change --global-batch.")
 
@@ -343,6 +350,16 @@ def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
     return max(states // cand.pp, single)
 
 
+# A search starts its workers (planner.parallel) once one candidate's solves took this long
+# here. Where solves are short, the candidates a worker solves ahead under a cutoff that
+# falls before the search reaches them, and the caches each worker fills again, cost more
+# than the second core gives (the free solves of bench/solve_real.py, 1-4 s, took 5-15%
+# longer with workers from the start).
+PARALLEL_AFTER_SOLVE_S = 1.0
+AHEAD_PER_WORKER = 2     # candidates handed out ahead of the search, per worker
+STALE_WAIT_S = 0.25      # how long the search waits on a job asked under a looser cutoff than its own
+
+
 def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """The top-K fastest layouts that fit, best first."""
     check_options(profile, opts)
@@ -360,119 +377,280 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     seeds: dict[Candidate, tuple[float, list]] | None = None   # seed_steps: (step time, layout), made once
     one_f_one_b: dict[Candidate, float] = {}     # solved 1F1B candidates -> step time
     free_layouts: dict[Candidate, Layout] = {}   # 1F1B twin -> its memory-free MILP's answer
-    for k, (bound, cand) in enumerate(bounded):
-        if on_progress:
-            on_progress(k, len(bounded))
+    memory_bound: dict[Candidate, int] = {}      # memory_lower_bound, asked once
+    needed_of: dict[Candidate, list[list]] = {}  # fastest_choices, asked once
+
+    def cutoff_now() -> float | None:
+        """Once K candidates are known to reach some step time, a candidate matters only if it
+        can beat the K-th smallest of those: the K best optima are no slower."""
+        return sorted(known.values())[opts.top_k - 1] if len(known) >= opts.top_k else None
+
+    def triage(k: int) -> str:
+        """What candidate k asks for as things stand: "stop" (no later candidate can enter the
+        top K), "no fit" (its memory bound is over the limit), "seeds" (the cutoff is to be
+        seeded first), "pruned" (its time bound cannot beat the K-th) or "solve"."""
+        bound, cand = bounded[k]
         if len(result.solutions) >= opts.top_k and bound >= result.solutions[opts.top_k - 1].prediction.step_s:
-            result.pruned += len(bounded) - k
-            break
+            return "stop"
         choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
-        need = memory_lower_bound(model, cand, choices)
-        if need > model.memory_limit:
-            result.infeasible += 1
-            misses.append((need, cand))
-            continue
-        # Once K candidates are known to reach some step time, a candidate matters only if it
-        # can beat the K-th smallest of those: the K best optima are no slower.
-        needed = fastest_choices(model, cand, choices)     # per run, what a memory-free optimum can need
-        if seeds is None and len(known) < opts.top_k and not takes_its_choices(model, cand, needed):
-            seeds = seed_steps(model, opts, bounded[k:])           # before the first MILP without a cutoff
-            known = {**{c: step for c, (step, _) in seeds.items()}, **known}
-        cutoff = sorted(known.values())[opts.top_k - 1] if len(known) >= opts.top_k else None
-        if cutoff is not None and bound > cutoff * (1 + CUTOFF_SLACK):
-            result.pruned += 1                 # its bound alone says it cannot beat the K-th
-            continue
-        # The fastest layout with no memory limit (the memory-free MILP, no memory rows) is a
-        # lower bound for this candidate, and when it fits, the candidate's optimum.
-        # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
-        # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
+        if cand not in memory_bound:
+            memory_bound[cand] = memory_lower_bound(model, cand, choices)
+        if memory_bound[cand] > model.memory_limit:
+            return "no fit"
+        if cand not in needed_of:            # per run, what a memory-free optimum can need
+            needed_of[cand] = fastest_choices(model, cand, choices)
+        if seeds is None and len(known) < opts.top_k and not takes_its_choices(model, cand, needed_of[cand]):
+            return "seeds"                   # before the first MILP without a cutoff
+        cutoff = cutoff_now()
+        return "pruned" if cutoff is not None and bound > cutoff * (1 + CUTOFF_SLACK) else "solve"
+
+    # Workers (planner.parallel) solve the candidates the search will reach next, each with the
+    # cutoff of the moment it was handed out; the search takes an answer only where it is the
+    # one it would have got itself (Outcome), so the plan is the same with or without them.
+    n_workers = available_cores() if opts.workers is None else opts.workers
+    workers = None
+    handed: dict[Candidate, Job] = {}            # candidate -> its job (args: solve_candidate's), until taken
+    scanned = 0                                  # candidates before this one have been looked at to hand out
+    slowest_here = 0.0                           # the longest a candidate's solves took here
+
+    def job_args(cand: Candidate) -> tuple:
         twin = dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
-        free = free_layouts.get(twin)
-        if free is None or free.status == "time limit":
-            free, milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
-            result.free_solved += milps
-            free_layouts[twin] = free
-        if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + CUTOFF_SLACK):
-            free = Layout("cut off", None, None)
-        if free.status == "cut off":           # not even without a memory limit faster than the K-th
-            result.pruned += 1
-            continue
-        if free.status == "optimal":
-            if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
+        return (cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload), needed_of[cand], cutoff_now(),
+                free_layouts.get(twin))
+
+    def hand_out(k: int) -> None:
+        """Keep AHEAD_PER_WORKER candidates a worker handed out, from candidate k on, each
+        with the cutoff of now (those not yet started are handed out again when it fell)."""
+        nonlocal workers, scanned
+        if workers is not None and workers.broken:
+            return
+        if workers is None:
+            if n_workers < 2 or slowest_here < PARALLEL_AFTER_SOLVE_S:
+                return
+            workers = Workers(profile, opts, n_workers)
+        cutoff = cutoff_now()
+        for cand, job in list(handed.items()):
+            if job.args[3] != cutoff and job.future.cancel():
+                handed[cand] = workers.submit(job_args(cand))
+        scanned = max(scanned, k)
+        while len(handed) < AHEAD_PER_WORKER * n_workers and scanned < len(bounded):
+            verdict = triage(scanned)
+            if verdict in ("stop", "seeds"):
+                return                       # (a verdict that changes: look again next time)
+            cand = bounded[scanned][1]
+            scanned += 1                     # "no fit" and "pruned" stay so: the cutoff only falls
+            if verdict == "solve":
+                handed[cand] = workers.submit(job_args(cand))
+
+    def taken(cand: Candidate) -> Outcome | None:
+        """The candidate's Outcome from its job, if one was handed out. One asked under a
+        looser cutoff than now's may take far longer than the search would (a proof of an
+        optimum it now cuts off): past STALE_WAIT_S it is abandoned, and solved here."""
+        job = handed.pop(cand, None)
+        if job is None:
+            return None
+        try:
+            if job.args[3] != cutoff_now():
+                wait([job.future], timeout=STALE_WAIT_S)
+                if not job.future.done():
+                    workers.abandon(job)
+                    return None
+            return job.future.result()
+        except Exception:                    # a worker that failed or was stopped: the search solves it itself
+            return None
+
+    try:
+        for k, (bound, cand) in enumerate(bounded):
+            if on_progress:
+                on_progress(k, len(bounded))
+            verdict = triage(k)
+            if verdict == "seeds":
+                seeds = seed_steps(model, opts, bounded[k:])
+                known = {**{c: step for c, (step, _) in seeds.items()}, **known}
+                verdict = triage(k)
+            if verdict == "stop":
+                result.pruned += len(bounded) - k
+                break
+            if verdict == "no fit":
+                result.infeasible += 1
+                misses.append((memory_bound[cand], cand))
+                continue
+            if verdict == "pruned":
                 result.pruned += 1
                 continue
-            # Simplified only where it fits and may be listed (outside_top_k): undoing checkpointing
-            # or offload adds memory, and a layout that does not fit goes on to the memory solve,
-            # which reaches the same step if any fitting layout does (the 405B shape: 134 of
-            # these, none changed by simplify, took 1.9 of its 13 s).
-            free_stages, free_pred = free.stages, None
-            if not model.overfills_a_rank(cand, free.stages):
-                free_pred = model.evaluate(cand, free.stages)
-                if free_pred.fits and not outside_top_k(result, opts.top_k, free_pred.step_s):
-                    free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
-                    free_pred = model.evaluate(cand, free_stages)
-            if free_pred is not None and free_pred.fits:
-                result.free_fits += 1
-                if cand.schedule == "1f1b" and cand.pp > 1:
-                    one_f_one_b[cand] = free_pred.step_s
-                known[cand] = free_pred.step_s
-                result.solutions.append(Solution(cand, free_stages, free_pred))
-                result.solutions.sort(key=_rank)
-                del result.solutions[opts.top_k:]
+            choices = choices_for(opts.checkpoint, opts.offload, cand.allow_offload)
+            needed, cutoff = needed_of[cand], cutoff_now()
+            hand_out(k)
+            outcome = taken(cand)
+            solving = time.perf_counter()
+            # The fastest layout with no memory limit (the memory-free MILP, no memory rows) is a
+            # lower bound for this candidate, and when it fits, the candidate's optimum.
+            # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
+            # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
+            twin = dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
+            free = free_layouts.get(twin)
+            if free is None or free.status == "time limit":
+                answer = outcome.free_answer(cutoff) if outcome else None
+                free, milps = answer or memory_free_layout(model, cand, choices, needed, opts, cutoff)
+                result.free_solved += milps
+                free_layouts[twin] = free
+            if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + CUTOFF_SLACK):
+                free = Layout("cut off", None, None)
+            if free.status == "cut off":           # not even without a memory limit faster than the K-th
+                result.pruned += 1
                 continue
-        result.solved += 1
-        bound = free.objective if free.status == "optimal" else None
-        layout, milps = solve_memory_layout(model, cand, choices, opts, cutoff, bound)
-        result.milps += milps
-        if layout.status == "cut off":
-            # (A cut-off 1F1B twin does not vouch for its GPipe twin: that one is asked with the
-            # same cutoff, usually as quickly as a memory-free bound would be found.)
-            result.pruned += 1
-            continue
-        if layout.status == "time limit":
-            result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
-        seed = (seeds or {}).get(cand)
-        stages = pred = None
-        if layout.stages is not None:
-            stages, pred = layout.stages, model.evaluate(cand, layout.stages)
-            if not (pred.fits and outside_top_k(result, opts.top_k, pred.step_s)):
-                stages = simplify(model, cand, layout.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+            if free.status == "optimal":
+                if cand.schedule == "gpipe" and gpipe_only_ties(twin, free.objective, one_f_one_b):
+                    result.pruned += 1
+                    continue
+                # Simplified only where it fits and may be listed (outside_top_k): undoing checkpointing
+                # or offload adds memory, and a layout that does not fit goes on to the memory solve,
+                # which reaches the same step if any fitting layout does (the 405B shape: 134 of
+                # these, none changed by simplify, took 1.9 of its 13 s).
+                free_stages, free_pred = free.stages, None
+                if not model.overfills_a_rank(cand, free.stages):
+                    free_pred = model.evaluate(cand, free.stages)
+                    if free_pred.fits and not outside_top_k(result, opts.top_k, free_pred.step_s):
+                        free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+                        free_pred = model.evaluate(cand, free_stages)
+                if free_pred is not None and free_pred.fits:
+                    result.free_fits += 1
+                    if cand.schedule == "1f1b" and cand.pp > 1:
+                        one_f_one_b[cand] = free_pred.step_s
+                    known[cand] = free_pred.step_s
+                    result.solutions.append(Solution(cand, free_stages, free_pred))
+                    result.solutions.sort(key=_rank)
+                    del result.solutions[opts.top_k:]
+                    continue
+            result.solved += 1
+            bound = free.objective if free.status == "optimal" else None
+            answer = outcome.memory_answer(cutoff, bound) if outcome else None
+            layout, milps = answer or solve_memory_layout(model, cand, choices, opts, cutoff, bound)
+            slowest_here = max(slowest_here, time.perf_counter() - solving)
+            result.milps += milps
+            if layout.status == "cut off":
+                # (A cut-off 1F1B twin does not vouch for its GPipe twin: that one is asked with the
+                # same cutoff, usually as quickly as a memory-free bound would be found.)
+                result.pruned += 1
+                continue
+            if layout.status == "time limit":
+                result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit; its layout is the best found, not proven optimal")
+            seed = (seeds or {}).get(cand)
+            stages = pred = None
+            if layout.stages is not None:
+                stages, pred = layout.stages, model.evaluate(cand, layout.stages)
+                if not (pred.fits and outside_top_k(result, opts.top_k, pred.step_s)):
+                    stages = simplify(model, cand, layout.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+                    pred = model.evaluate(cand, stages)
+                if not pred.fits:
+                    # The MILP's rows are the walk's records, so this means a solver tolerance let a
+                    # layout through that the cost model says does not fit: never list it.
+                    result.notes.append(f"{cand.describe()}: the solver's layout peaks at {pred.peak_bytes / 2**30:.2f} GiB, "
+                                        "over the limit by the cost model; left out")
+                    stages = pred = None
+            if seed is not None and (pred is None or pred.step_s > seed[0]):
+                # A seeded candidate counts in the cutoff, so it is listed with its seed layout where
+                # the solver found nothing better in its time: the cutoff's promise is kept.
+                result.notes.append(f"{cand.describe()}: the solver found nothing faster than an even split in its "
+                                    f"{opts.time_limit:.0f} s; that layout is listed, not proven optimal")
+                stages = seed[1]
                 pred = model.evaluate(cand, stages)
-            if not pred.fits:
-                # The MILP's rows are the walk's records, so this means a solver tolerance let a
-                # layout through that the cost model says does not fit: never list it.
-                result.notes.append(f"{cand.describe()}: the solver's layout peaks at {pred.peak_bytes / 2**30:.2f} GiB, "
-                                    "over the limit by the cost model; left out")
-                stages = pred = None
-        if seed is not None and (pred is None or pred.step_s > seed[0]):
-            # A seeded candidate counts in the cutoff, so it is listed with its seed layout where
-            # the solver found nothing better in its time: the cutoff's promise is kept.
-            result.notes.append(f"{cand.describe()}: the solver found nothing faster than an even split in its "
-                                f"{opts.time_limit:.0f} s; that layout is listed, not proven optimal")
-            stages = seed[1]
-            pred = model.evaluate(cand, stages)
-        if pred is None and layout.stages is None and cutoff is not None:
-            # Stopped at the time limit before finding a layout faster than the K-th best.
-            result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit before finding a layout "
-                                f"faster than the {opts.top_k}th best; not proven slower")
-            result.pruned += 1
-            continue
-        if pred is None:
-            result.infeasible += 1
-            if layout.stages is None:
-                misses.append((need, cand))
-            continue
-        if cand.schedule == "1f1b" and cand.pp > 1:
-            one_f_one_b[cand] = pred.step_s
-        known[cand] = pred.step_s
-        result.solutions.append(Solution(cand, stages, pred))
-        result.solutions.sort(key=_rank)
-        del result.solutions[opts.top_k:]
+            if pred is None and layout.stages is None and cutoff is not None:
+                # Stopped at the time limit before finding a layout faster than the K-th best.
+                result.notes.append(f"{cand.describe()}: the solver hit its {opts.time_limit:.0f} s limit before finding a layout "
+                                    f"faster than the {opts.top_k}th best; not proven slower")
+                result.pruned += 1
+                continue
+            if pred is None:
+                result.infeasible += 1
+                if layout.stages is None:
+                    misses.append((memory_bound[cand], cand))
+                continue
+            if cand.schedule == "1f1b" and cand.pp > 1:
+                one_f_one_b[cand] = pred.step_s
+            known[cand] = pred.step_s
+            result.solutions.append(Solution(cand, stages, pred))
+            result.solutions.sort(key=_rank)
+            del result.solutions[opts.top_k:]
+    finally:
+        if workers is not None:
+            workers.close()
     if on_progress:
         on_progress(len(bounded), len(bounded))
     if not result.solutions and misses:
         result.closest = closest_miss(model, opts, misses)
     return result
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                   # (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def _looser(then: float | None, now: float | None) -> bool:
+    """Whether cutoff `then` lets through every layout cutoff `now` does (None: no cutoff)."""
+    return then is None or (now is not None and then >= now)
+
+
+@dataclass
+class Outcome:
+    """What solve_candidate found for a candidate, and the cutoff it was asked with; the
+    search takes an answer from it only where it is the one it would get itself now."""
+
+    cutoff: float | None
+    free: Layout | None          # the memory-free answer it solved (None: it went on from its twin's)
+    free_milps: int
+    used: Layout                 # the memory-free answer it went on from
+    memory: Layout | None        # the memory solve's answer (None: the memory-free answer settled it)
+    memory_milps: int
+
+    def free_answer(self, cutoff: float | None) -> tuple[Layout, int] | None:
+        """The memory-free answer and its MILPs, if the search would get it with `cutoff`: asked
+        with the same cutoff, or cut off (or slower than `cutoff`) under a looser one."""
+        if self.free is None:
+            return None
+        if self.cutoff == cutoff:
+            return self.free, self.free_milps
+        if _looser(self.cutoff, cutoff) and (self.free.status == "cut off" or (
+                self.free.status == "optimal" and self.free.objective > cutoff * (1 + CUTOFF_SLACK))):
+            return Layout("cut off", None, None), self.free_milps
+        return None
+
+    def memory_answer(self, cutoff: float | None, bound: float | None) -> tuple[Layout, int] | None:
+        """The memory solve's answer and its MILPs, if the search would get it with `cutoff`
+        and lower bound `bound`: asked with both the same, or cut off (or slower than `cutoff`,
+        or infeasible) under a looser cutoff, which a lower bound does not change."""
+        if self.memory is None:
+            return None
+        status = self.memory.status
+        if _looser(self.cutoff, cutoff) and (status in ("cut off", "infeasible") or (
+                status == "optimal" and cutoff is not None and self.memory.objective > cutoff * (1 + CUTOFF_SLACK))):
+            return Layout("cut off" if cutoff is not None else "infeasible", None, None), self.memory_milps
+        if self.cutoff == cutoff and (self.used.objective if self.used.status == "optimal" else None) == bound:
+            return self.memory, self.memory_milps
+        return None
+
+
+def solve_candidate(model: CostModel, opts: SolveOptions, cand: Candidate, choices, needed: list[list],
+                    cutoff: float | None, given: Layout | None) -> Outcome:
+    """A candidate's solves as the search asks them under this cutoff (a worker's job,
+    planner.parallel): its memory-free layout, unless `given` (its 1F1B twin's answer), then,
+    unless that answer is cut off or fits, its memory solve."""
+    free, free_milps, used = None, 0, given
+    if given is None or given.status == "time limit":
+        free, free_milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
+        used = free
+    settled = used.status == "cut off" or (used.status == "optimal" and (
+        (cutoff is not None and used.objective > cutoff * (1 + CUTOFF_SLACK))
+        or (not model.overfills_a_rank(cand, used.stages) and model.evaluate(cand, used.stages).fits)))
+    if settled:
+        return Outcome(cutoff, free, free_milps, used, None, 0)
+    bound = used.objective if used.status == "optimal" else None
+    memory, milps = solve_memory_layout(model, cand, choices, opts, cutoff, bound)
+    return Outcome(cutoff, free, free_milps, used, memory, milps)
 
 
 CLOSEST_TRIED = 32   # no-fit explanation: frugal layouts evaluated, of the candidates with the lowest bounds

@@ -14,7 +14,7 @@ from planner.build import build_plan
 from planner.cost import Candidate, CostModel, must_offload, zero_model_state_bytes
 from planner.hardware import PRESETS, Hardware
 from planner.memory import in_flight, schedule_actions
-from planner.milp import choices_for, runs_of, solve_layout
+from planner.milp import Layout, choices_for, runs_of, solve_layout
 from planner import partition
 from planner.partition import StageSizeSearch
 from planner.search import SolveOptions, enumerate_candidates, fastest_choices, frugal_layout, pinned_stage_sizes, search
@@ -624,3 +624,59 @@ def test_plan_records_each_layers_fsdp_unit_and_refuses_an_edited_one(dp, zero, 
         Plan.from_json(d)
     plain = make_plan(dp=1, n_layers=3)
     assert not plain.wrapped and {lc.unit for lc in plain.stages[0].layers} == {"plain"}
+
+
+def _listed(result) -> list:
+    return [(s.candidate, s.stages, s.prediction.step_s, s.prediction.peak_bytes) for s in result.solutions]
+
+
+@pytest.mark.parametrize("seed, stale_wait", [(20, 0.25), (21, 0.0), (22, 0.25), (23, 0.0)])
+def test_workers_give_the_plan_the_search_gives_alone(seed, stale_wait, monkeypatch):
+    """Workers (planner.parallel) solve candidates ahead of the search under the cutoff of the
+    moment they were handed out; the search takes an answer only where it is the one it would
+    have got itself, else solves the candidate again (with stale_wait 0 every stale job still
+    running is abandoned, its worker replaced). The top K and the notes are those of a search
+    without workers, and the workers' answers were taken."""
+    import planner.search as S
+    rng = random.Random(seed)
+    prof = random_profile(rng, rng.randint(6, 9))
+    hw = cpu_like(1 << 40)
+    one_device = CostModel(prof, hw, 8, 1 << 40).evaluate(Candidate(1, 1, 1, 1, 16, 0, "1f1b", False, False),
+                                                           [[(i, False, False) for i in range(prof.n_layers)]])
+    kw = dict(gpus=8, hardware=hw, global_batch=16, top_k=3, memory_limit=int(one_device.peak_bytes * 0.7))
+    alone = search(prof, SolveOptions(**kw, workers=1))
+    taken = []
+    for name in ("free_answer", "memory_answer"):
+        method = getattr(S.Outcome, name)
+        monkeypatch.setattr(S.Outcome, name, lambda self, *a, _m=method: taken.append(_m(self, *a)) or taken[-1])
+    monkeypatch.setattr(S, "PARALLEL_AFTER_SOLVE_S", 0.0)     # workers from the first candidate solved
+    monkeypatch.setattr(S, "STALE_WAIT_S", stale_wait)
+    helped = search(prof, SolveOptions(**kw, workers=2))
+    assert _listed(helped) == _listed(alone)
+    assert helped.notes == alone.notes
+    assert any(answer is not None for answer in taken)
+
+
+@pytest.mark.parametrize("then, now, free, memory, bound, expected", [
+    # asked with the cutoff of now: its answers as they are
+    (9.0, 9.0, Layout("optimal", [[]], 5.0), Layout("optimal", [[]], 6.0), 5.0, ("optimal", "optimal")),
+    # the lower bound it went on with is not the search's: the memory answer is not taken
+    (9.0, 9.0, Layout("optimal", [[]], 5.0), Layout("optimal", [[]], 6.0), 4.0, ("optimal", None)),
+    # cut off under a looser cutoff (or none): cut off now
+    (None, 9.0, Layout("cut off", None, None), None, None, ("cut off", None)),
+    (9.5, 9.0, Layout("optimal", [[]], 5.0), Layout("cut off", None, None), 5.0, (None, "cut off")),
+    (None, 9.0, Layout("optimal", [[]], 5.0), Layout("infeasible", None, None), 5.0, (None, "cut off")),
+    # an optimum slower than now's cutoff: cut off now
+    (9.5, 9.0, Layout("optimal", [[]], 9.2), Layout("optimal", [[]], 9.3), 9.2, ("cut off", "cut off")),
+    # an optimum within now's cutoff, found under a looser one: solved again (its ties may differ)
+    (9.5, 9.0, Layout("optimal", [[]], 5.0), Layout("optimal", [[]], 6.0), 5.0, (None, None)),
+    # asked under a tighter cutoff than now's: nothing of it is the search's answer
+    (8.0, 9.0, Layout("cut off", None, None), None, None, (None, None)),
+    (8.0, None, Layout("optimal", [[]], 5.0), Layout("cut off", None, None), 5.0, (None, None)),
+])
+def test_an_outcome_is_taken_only_where_the_search_would_get_it(then, now, free, memory, bound, expected):
+    from planner.search import Outcome
+    out = Outcome(then, free, 1, free, memory, 1)
+    got_free = out.free_answer(now)
+    got_memory = out.memory_answer(now, bound)
+    assert (got_free and got_free[0].status, got_memory and got_memory[0].status) == expected
