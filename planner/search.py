@@ -351,11 +351,13 @@ def memory_lower_bound(model: CostModel, cand: Candidate, choices) -> int:
 
 
 # A search starts its workers (planner.parallel) once one candidate's solves took this long
-# here. Where solves are short, the candidates a worker solves ahead under a cutoff that
-# falls before the search reaches them, and the caches each worker fills again, cost more
-# than the second core gives (the free solves of bench/solve_real.py, 1-4 s, took 5-15%
-# longer with workers from the start).
+# here, or at a candidate of several stages a rank on a model this deep (its one MILP holds
+# every moment a rank's stages can peak: 3-15 s for NeMo's 70B layout). Where solves are
+# short, the candidates a worker solves ahead under a cutoff that falls before the search
+# reaches them, and the caches each worker fills again, cost more than the second core gives
+# (the free solves of bench/solve_real.py, 1-4 s, took 5-15% longer with workers from the start).
 PARALLEL_AFTER_SOLVE_S = 1.0
+PARALLEL_MULTI_STAGE_LAYERS = 24
 AHEAD_PER_WORKER = 2     # candidates handed out ahead of the search, per worker
 STALE_WAIT_S = 0.25      # how long the search waits on a job asked under a looser cutoff than its own
 
@@ -425,7 +427,9 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         if workers is not None and workers.broken:
             return
         if workers is None:
-            if n_workers < 2 or slowest_here < PARALLEL_AFTER_SOLVE_S:
+            slow = slowest_here >= PARALLEL_AFTER_SOLVE_S or (
+                bounded[k][1].virtual_stages > 1 and profile.n_layers >= PARALLEL_MULTI_STAGE_LAYERS)
+            if n_workers < 2 or not slow:
                 return
             workers = Workers(profile, opts, n_workers)
         cutoff = cutoff_now()
