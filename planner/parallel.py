@@ -72,8 +72,13 @@ class Workers:
         self.procs: list[subprocess.Popen] = []     # every worker started, stopped ones too
         self.idle: queue.Queue = queue.Queue()
         self.closed = self.broken = False
-        for _ in range(n):
-            self.idle.put(self._start())
+        try:
+            for _ in range(n):
+                self.idle.put(self._start())
+        except OSError:
+            for proc in self.procs:
+                proc.kill()
+            raise
         self.pool = ThreadPoolExecutor(n, thread_name_prefix="plan-worker")
 
     def _start(self) -> subprocess.Popen:
@@ -112,10 +117,12 @@ class Workers:
         finally:
             job.proc = None
             if proc.poll() is not None and not self.closed:
-                if job.abandoned:
+                try:
+                    if not job.abandoned:
+                        raise OSError("stopped of its own accord")
                     proc = self._start()     # stopped by abandon: a new worker takes its place
-                else:
-                    self.broken = True       # stopped of its own accord: something is wrong with workers here
+                except OSError:
+                    self.broken = True       # something is wrong with workers here: the search goes on alone
             self.idle.put(proc)
         if isinstance(answer, BaseException):
             raise answer
@@ -141,6 +148,12 @@ class Workers:
                 proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
 
 
 def serve() -> None:

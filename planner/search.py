@@ -423,7 +423,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     def hand_out(k: int) -> None:
         """Keep AHEAD_PER_WORKER candidates a worker handed out, from candidate k on, each
         with the cutoff of now (those not yet started are handed out again when it fell)."""
-        nonlocal workers, scanned
+        nonlocal workers, scanned, n_workers
         if workers is not None and workers.broken:
             return
         if workers is None:
@@ -431,7 +431,11 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 bounded[k][1].virtual_stages > 1 and profile.n_layers >= PARALLEL_MULTI_STAGE_LAYERS)
             if n_workers < 2 or not slow:
                 return
-            workers = Workers(profile, opts, n_workers)
+            try:
+                workers = Workers(profile, opts, n_workers)
+            except OSError:                  # no process can be started here: the search goes on alone
+                n_workers = 1
+                return
         cutoff = cutoff_now()
         for cand, job in list(handed.items()):
             if job.args[3] != cutoff and job.future.cancel():

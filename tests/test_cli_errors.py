@@ -232,6 +232,7 @@ def test_solve_bad_cluster_file(small_profile, tmp_path):
     (["--gpus", "2", "--top", "0"], "--top is 0"),
     (["--gpus", "2", "--memory-limit", "0"], "--memory-limit = '0' must be positive"),
     (["--gpus", "2", "--time-limit", "0"], "--time-limit is 0"),
+    (["--gpus", "2", "--workers", "0"], "--workers is 0"),
     (["--gpus", "2", "--micro-batch", "-1"], "--micro-batch is -1"),
     (["--gpus", "2", "--checkpoint", "some"], "--checkpoint some is not one of"),
     (["--gpus", "2", "--schedule", "zb"], "--schedule zb is not one"),

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import shutil
 
 import pytest
 
@@ -655,6 +656,25 @@ def test_workers_give_the_plan_the_search_gives_alone(seed, stale_wait, monkeypa
     assert _listed(helped) == _listed(alone)
     assert helped.notes == alone.notes
     assert any(answer is not None for answer in taken)
+
+
+def test_workers_that_cannot_start_leave_the_search_to_itself(monkeypatch):
+    """A worker process that stops of its own accord (here: `true`, not Python) marks the
+    workers broken; the candidates handed to them are solved by the search, to the same plan."""
+    import planner.parallel as P
+    import planner.search as S
+    rng = random.Random(24)
+    prof = random_profile(rng, 7)
+    kw = dict(gpus=8, hardware=cpu_like(1 << 40), global_batch=16, top_k=3)
+    alone = search(prof, SolveOptions(**kw, workers=1))
+    started = []
+    monkeypatch.setattr(S, "PARALLEL_AFTER_SOLVE_S", 0.0)
+    monkeypatch.setattr(P.sys, "executable", shutil.which("true"))
+    start = P.Workers._start
+    monkeypatch.setattr(P.Workers, "_start", lambda self: started.append(self) or start(self))
+    helped = search(prof, SolveOptions(**kw, workers=2))
+    assert started and all(workers.broken for workers in started)
+    assert _listed(helped) == _listed(alone)
 
 
 @pytest.mark.parametrize("then, now, free, memory, bound, expected", [
