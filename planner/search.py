@@ -467,6 +467,15 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         except Exception:                    # a worker that failed or was stopped: the search solves it itself
             return None
 
+    def add_solution(cand: Candidate, stages, pred: Prediction) -> None:
+        """A candidate's best layout, which fits: its step is known, and it is listed if in the top K."""
+        if cand.schedule == "1f1b" and cand.pp > 1:
+            one_f_one_b[cand] = pred.step_s
+        known[cand] = pred.step_s
+        result.solutions.append(Solution(cand, stages, pred))
+        result.solutions.sort(key=_rank)
+        del result.solutions[opts.top_k:]
+
     try:
         for k, (bound, cand) in enumerate(bounded):
             if on_progress:
@@ -523,12 +532,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                         free_pred = model.evaluate(cand, free_stages)
                 if free_pred is not None and free_pred.fits:
                     result.free_fits += 1
-                    if cand.schedule == "1f1b" and cand.pp > 1:
-                        one_f_one_b[cand] = free_pred.step_s
-                    known[cand] = free_pred.step_s
-                    result.solutions.append(Solution(cand, free_stages, free_pred))
-                    result.solutions.sort(key=_rank)
-                    del result.solutions[opts.top_k:]
+                    add_solution(cand, free_stages, free_pred)
                     continue
             result.solved += 1
             bound = free.objective if free.status == "optimal" else None
@@ -574,12 +578,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 if layout.stages is None:
                     misses.append((memory_bound[cand], cand))
                 continue
-            if cand.schedule == "1f1b" and cand.pp > 1:
-                one_f_one_b[cand] = pred.step_s
-            known[cand] = pred.step_s
-            result.solutions.append(Solution(cand, stages, pred))
-            result.solutions.sort(key=_rank)
-            del result.solutions[opts.top_k:]
+            add_solution(cand, stages, pred)
     finally:
         if workers is not None:
             workers.close()
