@@ -208,7 +208,8 @@ class CostModel:
         """Layer i's figures at the candidate's micro-batch size, tensor and sequence parallelism (memoised)."""
         key = ("sample", i, cand.micro_batch_size, cand.tp, cand.sequence_parallel)
         if key not in self._cache:
-            self._cache[key] = self.profile.layers[i].at_tp(cand.micro_batch_size, cand.tp, cand.sequence_parallel)
+            self._cache[key] = self.profile.layers[i].at_tp(cand.micro_batch_size, cand.tp, cand.sequence_parallel,
+                                                            sequence_times=self.profile.method == "fake")
         return self._cache[key]
 
     def layer(self, cand: Candidate, i: int, checkpoint: str, offload: bool) -> LayerCost:

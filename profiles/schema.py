@@ -195,15 +195,18 @@ class LayerProfile(Sampled):
         if self.sp_samples:
             self._sp.refit()
 
-    def at_tp(self, b: int, tp: int, sequence_parallel: bool = False) -> LayerSample:
+    def at_tp(self, b: int, tp: int, sequence_parallel: bool = False, sequence_times: bool = False) -> LayerSample:
         """Figures at micro-batch b under tensor parallelism of degree tp (with sequence
         parallelism: memory, FLOPs and collectives from sp_samples, where the layer's input and
-        output are split too; times as without it, docs/cost-model.md)."""
+        output are split too; times too with `sequence_times`, where sp_samples' times are the
+        op-by-op roofline a fake profile gives every sample, else as without it: a measured
+        profile does not time layers under sequence parallelism; docs/cost-model.md)."""
         if sequence_parallel and tp > 1 and self.sp_samples:
             # The layer's input and output are split too: no figure is held at its t = 1 value.
             vals = split_between(self.at(b), self._sp.at(b), tp, fixed=set())
-            base = self.at_tp(b, tp)
-            vals.update({name: getattr(base, name) for name in TIME_FIELDS})
+            if not sequence_times:
+                base = self.at_tp(b, tp)
+                vals.update({name: getattr(base, name) for name in TIME_FIELDS})
             return LayerSample(**vals)
         one = self.at(b)
         if tp == 1 or not self.tp_samples:

@@ -700,3 +700,33 @@ def test_an_outcome_is_taken_only_where_the_search_would_get_it(then, now, free,
     got_free = out.free_answer(now)
     got_memory = out.memory_answer(now, bound)
     assert (got_free and got_free[0].status, got_memory and got_memory[0].status) == expected
+
+
+def test_sequence_parallel_times_come_from_a_fake_profiles_own_samples():
+    """A fake profile times every sample op by op, its layers under sequence parallelism too:
+    a layer under SP then takes those times, r + s/t through t = 1 and its SP sample (its norms
+    and residuals on 1/t of the tokens), not the times of TP without SP. A measured profile does
+    not time layers under SP (that sample is untimed) and keeps the times without it."""
+    rng = random.Random(31)
+    prof = add_tensor_parallel_samples(rng, random_profile(rng, 4))
+    for lp in prof.layers:
+        for b, q in lp.sp_samples.items():
+            q.fwd_s, q.bwd_s = 0.4 * lp.samples[b].fwd_s, 0.45 * lp.samples[b].bwd_s   # under half at t = 2
+        lp.refit()
+    hw = cpu_like(1 << 40)
+    plain, split = (Candidate(1, 4, 1, 2, 1, 0, "1f1b", False, False, sequence_parallel=sp) for sp in (False, True))
+    for method in ("fake", "measured"):
+        prof.method = method
+        model = CostModel(prof, hw, 8, 1 << 40)
+        for i, lp in enumerate(prof.layers):
+            one, without = lp.samples[2], model.sample(i, plain)
+            for name, share in (("fwd_s", 0.4), ("bwd_s", 0.45)):
+                # r + s/t through (1, f) and (2, share x f), at t = 4
+                shard = (getattr(one, name) - share * getattr(one, name)) / (1 - 1 / 2)
+                line = getattr(one, name) - shard + shard / 4
+                got = getattr(model.sample(i, split), name)
+                if method == "fake":
+                    assert got == pytest.approx(line, rel=1e-12)
+                    assert got < getattr(without, name)
+                else:
+                    assert got == getattr(without, name)
