@@ -4,9 +4,8 @@
 `FlopCounterMode` formulas) or, for ops without a formula (elementwise, norms, softmax,
 copies), the bytes they read and write. Given `op_seconds` (a hardware's achievable rates,
 `Hardware.op_seconds`), it also adds up each op's time on its own: a matmul's FLOPs at the
-rate its (m, n, k) shape reaches, attention's at the fused kernels' rate (a causal one on half
-its count: the kernels skip the masked tiles), the other ops' bytes at the achievable memory
-bandwidth. That is how fake-mode profiles get times; the
+rate its (m, n, k) shape reaches, attention's at the fused kernels' rate, the other ops'
+bytes at the achievable memory bandwidth. That is how fake-mode profiles get times; the
 planner moves times measured on one device to another with the totals.
 
 PyTorch's counter has no formula for the CPU flash-attention kernels; they are registered
@@ -56,14 +55,6 @@ def _register_cpu_attention_formulas() -> None:
 
 
 _register_cpu_attention_formulas()
-
-
-def _is_causal(func, args, kwargs) -> bool:
-    """Whether an attention op was asked for a causal mask (its `is_causal` argument, by name)."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "is_causal":
-            return bool(kwargs.get("is_causal", args[i] if i < len(args) else arg.default_value))
-    return False
 
 
 def _tensor_bytes(tensors) -> int:
@@ -131,13 +122,8 @@ class OpCost(CountingMode):
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
             self.flops += flops
             if self.op_seconds is not None:
-                if "attention" in packet.__name__:
-                    # The count is the whole (T, T) square of scores; a causal kernel works
-                    # through the half on and below the diagonal, skipping the masked tiles
-                    # (FlashAttention's own convention for its causal throughput).
-                    self.seconds += self.op_seconds("attention", flops * (0.5 if _is_causal(func, args, kwargs) else 1.0), 0, None)
-                else:
-                    self.seconds += self.op_seconds("matmul", flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
+                kind = "attention" if "attention" in packet.__name__ else "matmul"
+                self.seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
         elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
             outs, _ = tree_flatten(out)
             if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
