@@ -403,8 +403,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             needed_of[cand] = fastest_choices(model, cand, choices)
         if seeds is None and len(known) < opts.top_k and not takes_its_choices(model, cand, needed_of[cand]):
             return "seeds"                   # before the first MILP without a cutoff
-        cutoff = cutoff_now()
-        return "pruned" if cutoff is not None and bound > cutoff * (1 + CUTOFF_SLACK) else "solve"
+        return "pruned" if beyond(bound, cutoff_now()) else "solve"
 
     # Workers (planner.parallel) solve the candidates the search will reach next, each with the
     # cutoff of the moment it was handed out; the search takes an answer only where it is the
@@ -416,9 +415,8 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     slowest_here = 0.0                           # the longest a candidate's solves took here
 
     def job_args(cand: Candidate) -> tuple:
-        twin = dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
         return (cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload), needed_of[cand], cutoff_now(),
-                free_layouts.get(twin))
+                free_layouts.get(one_f_one_b_twin(cand)))
 
     def hand_out(k: int) -> None:
         """Keep AHEAD_PER_WORKER candidates a worker handed out, from candidate k on, each
@@ -504,14 +502,14 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
             # lower bound for this candidate, and when it fits, the candidate's optimum.
             # The schedule enters only the memory rows, so a GPipe candidate's memory-free MILP is its
             # 1F1B twin's: solved once. (A cutoff only falls, so a cut-off twin vouches for it too.)
-            twin = dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
+            twin = one_f_one_b_twin(cand)
             free = free_layouts.get(twin)
             if free is None or free.status == "time limit":
                 answer = outcome.free_answer(cutoff) if outcome else None
                 free, milps = answer or memory_free_layout(model, cand, choices, needed, opts, cutoff)
                 result.free_solved += milps
                 free_layouts[twin] = free
-            if free.status == "optimal" and cutoff is not None and free.objective > cutoff * (1 + CUTOFF_SLACK):
+            if free.status == "optimal" and beyond(free.objective, cutoff):
                 free = Layout("cut off", None, None)
             if free.status == "cut off":           # not even without a memory limit faster than the K-th
                 result.pruned += 1
@@ -597,6 +595,18 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def beyond(step_s: float, cutoff: float | None) -> bool:
+    """Whether a step time cannot enter the top K under `cutoff` (None: no cutoff yet): over
+    it by more than CUTOFF_SLACK, so that exact ties stay."""
+    return cutoff is not None and step_s > cutoff * (1 + CUTOFF_SLACK)
+
+
+def one_f_one_b_twin(cand: Candidate) -> Candidate:
+    """The 1F1B candidate a GPipe one shares its memory-free MILP with (the schedule enters only
+    the memory rows); any other candidate is its own."""
+    return dataclasses.replace(cand, schedule="1f1b") if cand.schedule == "gpipe" else cand
+
+
 def _looser(then: float | None, now: float | None) -> bool:
     """Whether cutoff `then` lets through every layout cutoff `now` does (None: no cutoff)."""
     return then is None or (now is not None and then >= now)
@@ -622,7 +632,7 @@ class Outcome:
         if self.cutoff == cutoff:
             return self.free, self.free_milps
         if _looser(self.cutoff, cutoff) and (self.free.status == "cut off" or (
-                self.free.status == "optimal" and self.free.objective > cutoff * (1 + CUTOFF_SLACK))):
+                self.free.status == "optimal" and beyond(self.free.objective, cutoff))):
             return Layout("cut off", None, None), self.free_milps
         return None
 
@@ -634,7 +644,7 @@ class Outcome:
             return None
         status = self.memory.status
         if _looser(self.cutoff, cutoff) and (status in ("cut off", "infeasible") or (
-                status == "optimal" and cutoff is not None and self.memory.objective > cutoff * (1 + CUTOFF_SLACK))):
+                status == "optimal" and beyond(self.memory.objective, cutoff))):
             return Layout("cut off" if cutoff is not None else "infeasible", None, None), self.memory_milps
         if self.cutoff == cutoff and (self.used.objective if self.used.status == "optimal" else None) == bound:
             return self.memory, self.memory_milps
@@ -651,7 +661,7 @@ def solve_candidate(model: CostModel, opts: SolveOptions, cand: Candidate, choic
         free, free_milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
         used = free
     settled = used.status == "cut off" or (used.status == "optimal" and (
-        (cutoff is not None and used.objective > cutoff * (1 + CUTOFF_SLACK))
+        beyond(used.objective, cutoff)
         or (not model.overfills_a_rank(cand, used.stages) and model.evaluate(cand, used.stages).fits)))
     if settled:
         return Outcome(cutoff, free, free_milps, used, None, 0)
