@@ -14,9 +14,15 @@ over the fastest layout's.
     python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME] [--keep DIR]  # writes bench/results/NAME.{md,csv} (time_fidelity)
     python bench/time_fidelity.py --again DIR --out NAME   # today's cost model against the runs kept in DIR, nothing run
 
-`--again` predicts every layout kept in DIR (by `--keep`) again from its kept profile and
-compares it with the same measured runs: a change to the cost model is judged without the
-noise of new runs and new profiles (these shared cores move both by 10-25% between runs).
+Before anything runs, `plan calibrate` measures this machine's collectives, core sharing and
+pipeline overhead, and the layouts are predicted with that cluster file, as a user plans after
+calibrating: this shared VM's collectives move by half between days (all-gather over 4
+processes: 5.4 ms of latency on 2026-12-01, 3.5-3.9 ms on 2026-12-03), and a preset from another
+day measures the drift, not the model. `--hardware cpu` predicts with the built-in preset
+instead. `--again` predicts every layout kept in DIR (by `--keep`) again from its kept profile
+(and kept cluster file, where there is one) and compares it with the same measured runs: a
+change to the cost model is judged without the noise of new runs and new profiles (these
+shared cores move both by 10-25% between runs).
 """
 
 from __future__ import annotations
@@ -84,9 +90,20 @@ def profile(model: str, workdir: Path):
     return prof, path
 
 
-def plans_for(model: str, prof, prof_path: Path, workdir: Path) -> list[tuple[str, Path, float]]:
+def calibrate_here(workdir: Path) -> Path:
+    """`plan calibrate --device cpu --processes 2,4 -o workdir/cluster.toml`: this machine now."""
+    path = workdir / "cluster.toml"
+    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "calibrate", "--device", "cpu", "--processes", "2,4",
+                           "-o", str(path)], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-2000:], proc.stderr[-3000:])
+        raise SystemExit("plan calibrate failed")
+    print(f"calibrated: {path}", flush=True)
+    return path
+
+
+def plans_for(model: str, prof, prof_path: Path, workdir: Path, hw) -> list[tuple[str, Path, float]]:
     """(layout name, plan path, predicted step seconds) for the grid and the free choice."""
-    hw = get_hardware("cpu")
     cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
     out = []
     for case in GRID:
@@ -131,15 +148,16 @@ def row(model: str, name: str, k: int, plan, doc) -> dict:
             **{f"meas_{c.component}_s": c.measured for c in comps}}
 
 
-def run_grid(models: list[str], runs: int, keep: Path | None) -> list[dict]:
+def run_grid(models: list[str], runs: int, keep: Path | None, hardware: str | None) -> list[dict]:
     rows = []
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
+        hw = get_hardware(hardware or str(calibrate_here(workdir)))
         for model in models:
             prof, prof_path = profile(model, workdir)
-            plans = plans_for(model, prof, prof_path, workdir)
+            plans = plans_for(model, prof, prof_path, workdir, hw)
             for k in range(runs):          # runs interleaved, so slow drift hits every layout alike
                 for name, path, _ in plans:
                     t = time.perf_counter()
@@ -151,11 +169,12 @@ def run_grid(models: list[str], runs: int, keep: Path | None) -> list[dict]:
     return rows
 
 
-def evaluate_again(models: list[str], kept: Path) -> list[dict]:
-    """The layouts kept in `kept` predicted by today's cost model from their kept profiles,
-    beside their kept runs."""
+def evaluate_again(models: list[str], kept: Path, hardware: str | None) -> list[dict]:
+    """The layouts kept in `kept` predicted by today's cost model from their kept profiles
+    (with the kept cluster file, or `hardware`), beside their kept runs."""
     rows = []
-    hw = get_hardware("cpu")
+    cluster = kept / "cluster.toml"
+    hw = get_hardware(hardware or (str(cluster) if cluster.exists() else "cpu"))
     for model in models:
         prof_path = kept / f"{model}.profile.json"
         if not prof_path.exists():
@@ -190,9 +209,13 @@ def main() -> None:
                     help="keep the profiles, plans and run.json files in this folder (to evaluate the cost model again on them)")
     ap.add_argument("--again", type=Path, default=None,
                     help="run nothing: predict the layouts kept in this folder again and compare with their kept runs")
+    ap.add_argument("--hardware", default=None,
+                    help="predict with this preset or cluster file (default: calibrate this machine first; "
+                         "with --again, the kept cluster.toml, else the cpu preset)")
     args = ap.parse_args()
     models = args.models.split(",")
-    rows = evaluate_again(models, args.again) if args.again else run_grid(models, args.runs, args.keep)
+    rows = (evaluate_again(models, args.again, args.hardware) if args.again
+            else run_grid(models, args.runs, args.keep, args.hardware))
     if args.again:
         args.runs = max(r["run"] for r in rows) + 1
     raw = pd.DataFrame(rows)
@@ -227,10 +250,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     raw.to_csv(out / f"{args.out}.csv", index=False)
     comps = MEASURED_COMPONENTS
-    how = (f"--models {args.models} --again {args.again}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
-           f"the runs kept in {args.again} (nothing run again), predicted by today's cost model from their kept profiles; "
+    flag = f" --hardware {args.hardware}" if args.hardware else ""
+    how = (f"--models {args.models} --again {args.again}{flag}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
+           f"the runs kept in {args.again} (nothing run again), predicted by today's cost model from their kept profiles "
+           f"with {args.hardware or 'their kept cluster file (the cpu preset where none was kept)'}; "
            if args.again else
-           f"--models {args.models} --runs {args.runs}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: ")
+           f"--models {args.models} --runs {args.runs}{flag}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
+           f"predicted with {args.hardware or 'a `plan calibrate` of this machine run first'}; ")
     md = [f"# Time fidelity\n\n`python bench/time_fidelity.py {how}every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
           f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "
           "their median of 7 timed steps; "
