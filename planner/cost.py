@@ -499,13 +499,15 @@ class CostModel:
             self._cache[key] = self._rank_memory(cand, rank, mine)
         return self._cache[key]
 
+    def chunk(self, cand: Candidate, stage: int, choices: list[Placed], name: str = "") -> Chunk:
+        """Stage `stage` as its rank's walk reads it (memory.Chunk): its layers' memory, the loss
+        on the last stage, and the bytes outside its layers (stage_buffers)."""
+        costs, loss = self.stage_costs(cand, stage, list(choices))
+        static, per_mb, after_backward, sent = self.stage_buffers(cand, stage, list(choices))
+        return Chunk([c.memory for c in costs], loss.memory if loss else None, static, per_mb, after_backward, sent, name=name)
+
     def _rank_memory(self, cand: Candidate, rank: int, mine) -> StageMemory:
-        chunks = []
-        for s, choices in mine:
-            costs, loss = self.stage_costs(cand, s, list(choices))
-            static, per_mb, after_backward, sent = self.stage_buffers(cand, s, list(choices))
-            chunks.append(Chunk([c.memory for c in costs], loss.memory if loss else None, static, per_mb, after_backward,
-                                sent, name=f"stage {s} " if len(mine) > 1 else ""))
+        chunks = [self.chunk(cand, s, choices, name=f"stage {s} " if len(mine) > 1 else "") for s, choices in mine]
         actions = schedule_actions(cand.schedule, cand.pp, rank, cand.num_micro_batches, cand.virtual_stages)
         return walk_rank(chunks, actions, reshard_after_backward=cand.pp == 1, input_is_held=True,
                          sends_held=holds_sends(cand.schedule))

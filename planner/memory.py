@@ -400,6 +400,55 @@ def final_reduction_record(stages: list[StageBytes], largest_flat, micro_batches
                   sum((st.kept_unsharded + st.left_after_backward for st in stages), 0) + largest_flat)
 
 
+@dataclass
+class ChunkWalk:
+    """One chunk's part in its rank's walk (walk_chunk): what it holds all step, its totals as
+    the rank's moments read them, and for each kind of action its highest record. A rank's
+    live bytes at a moment are its chunks' static bytes, what it holds besides (held_at) and
+    the running chunk's highest record for that kind of action: each term one chunk's alone,
+    which is what lets planner/listed.py write a rank's rows from listed layouts of its chunks."""
+
+    static: int                   # weights, optimizer states, buffers (its static_buffers too)
+    bytes: StageBytes
+    # (F | B, its gradients exist) -> (the record's live bytes, its layer, the record): the
+    # first of the highest in the order the action runs its layers
+    highest: dict[tuple[str, bool], tuple[int, int, Record]]
+    final_flat: int               # the largest flat buffer of its final reduction (pipelining)
+    reduces_at_end: bool          # some layer reduces its gradients at the step's end (pipelining)
+
+
+def walk_chunk(chunk: Chunk, reshard_after_backward: bool, input_is_held: bool) -> ChunkWalk:
+    """Every record of one chunk's layers (forward_records, backward_records) reduced to what
+    its rank's walk reads of them (ChunkWalk)."""
+    seq = chunk.layers + ([chunk.loss] if chunk.loss is not None else [])
+    at = positions(seq, len(chunk.layers), reshard_after_backward, input_is_held, chunk.per_micro_batch_buffers)
+    highest = {}
+    for kind in ("F", "B"):
+        for grads in (False, True):
+            best = None
+            for i in (range(len(seq)) if kind == "F" else reversed(range(len(seq)))):
+                l = seq[i]
+                records = (forward_records(l, at[i], grads, l is chunk.loss) if kind == "F"
+                           else backward_records(l, at[i], grads, l is chunk.loss, reshard_after_backward))
+                for r in records:
+                    live = r.grads + r.activations + r.buffers
+                    if best is None or live > best[0]:
+                        best = (live, i, r)
+            highest[kind, grads] = best
+    layers = chunk.layers
+    return ChunkWalk(
+        static=sum(l.weights + l.optim + l.buffers for l in layers) + chunk.static_buffers,
+        bytes=StageBytes(grads=sum(l.grads for l in layers),
+                         step_grads=sum(l.grads if l.step_grads is None else l.step_grads for l in layers),
+                         kept_unsharded=sum(l.kept_unsharded for l in layers),
+                         left_after_backward=sum(l.unsharded_after_backward for l in layers),
+                         per_micro_batch=sum(kept_bytes(seq, input_is_held)) + chunk.per_micro_batch_buffers,
+                         after_backward=chunk.after_backward_buffers, sent=chunk.sent_per_backward),
+        highest=highest,
+        final_flat=max(l.final_reduce_flat for l in layers),
+        reduces_at_end=any(l.step_grads is not None for l in layers))
+
+
 def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, reshard_after_backward: bool = True,
               input_is_held: bool = True, sends_held: bool = False) -> StageMemory:
     """Walk one step of a rank running `chunks` in the order `actions` (schedule_actions): the
@@ -413,27 +462,21 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
     sends_held: finished micro-batches' sends stay until the step's end (holds_sends).
     While one chunk runs, the others hold their static bytes, their in-flight micro-batches,
     their gradients and unsharded copies once they ran a backward, and (under pipelining) their
-    kept unsharded copies.
+    kept unsharded copies. At a moment the held bytes are the same for each of the running
+    chunk's records, so each chunk's highest record for the kind of action (walk_chunk) is
+    the moment's peak.
     """
-    seqs = [c.layers + ([c.loss] if c.loss is not None else []) for c in chunks]
+    walks = [walk_chunk(c, reshard_after_backward, input_is_held) for c in chunks]
     every = [l for c in chunks for l in c.layers]
     weights = sum(l.weights for l in every)
     optim = sum(l.optim for l in every)
-    buffers = sum(l.buffers for l in every) + sum(c.static_buffers for c in chunks)
-    stages = [StageBytes(grads=sum(l.grads for l in c.layers),
-                         step_grads=sum(l.grads if l.step_grads is None else l.step_grads for l in c.layers),
-                         kept_unsharded=sum(l.kept_unsharded for l in c.layers),
-                         left_after_backward=sum(l.unsharded_after_backward for l in c.layers),
-                         per_micro_batch=sum(kept_bytes(seq, input_is_held)) + c.per_micro_batch_buffers,
-                         after_backward=c.after_backward_buffers, sent=c.sent_per_backward)
-              for seq, c in zip(seqs, chunks)]
-    at_of = [positions(seq, len(c.layers), reshard_after_backward, input_is_held, c.per_micro_batch_buffers)
-             for seq, c in zip(seqs, chunks)]
+    static = sum(w.static for w in walks)
+    stages = [w.bytes for w in walks]
 
     timeline: list[tuple] = []   # (phase, live, grads, activations); a layer's phase named only if it wins
 
     def record(phase, grads, acts, other=0):
-        timeline.append((phase, weights + optim + buffers + other + grads + acts, grads, acts))
+        timeline.append((phase, static + other + grads + acts, grads, acts))
 
     at = moments(actions, len(chunks), sends_held)
     walked = set()           # actions at the same moment give identical records: walk one
@@ -443,20 +486,12 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
         if moment in walked:
             continue
         walked.add(moment)
-        seq, loss, chunk = seqs[j], chunks[j].loss, chunks[j]
         held = held_at(moment, stages, reshard_after_backward)
-        prefix = f"{kind} mb {mb} {chunk.name}"
-        for i in (range(len(seq)) if kind == "F" else reversed(range(len(seq)))):
-            l = seq[i]
-            if kind == "F":
-                records = forward_records(l, at_of[j][i], moment.grads_here, l is loss)
-            else:
-                records = backward_records(l, at_of[j][i], moment.grads_here, l is loss, reshard_after_backward)
-            for r in records:
-                record((prefix, i, len(chunk.layers), r.phase), held.grads + r.grads, held.activations + r.activations,
-                       held.buffers + r.buffers)
-    if any(l.step_grads is not None for l in every):
-        final = final_reduction_record(stages, max(l.final_reduce_flat for l in every),
+        _, i, r = walks[j].highest[kind, moment.grads_here]
+        record((f"{kind} mb {mb} {chunks[j].name}", i, len(chunks[j].layers), r.phase),
+               held.grads + r.grads, held.activations + r.activations, held.buffers + r.buffers)
+    if any(w.reduces_at_end for w in walks):
+        final = final_reduction_record(stages, max(w.final_flat for w in walks),
                                        len(actions) // 2 // len(chunks) if sends_held else 0)
         record(final.phase, final.grads, final.activations, final.buffers)
     record("optimizer step", sum(st.step_grads for st in stages), 0)
@@ -467,4 +502,3 @@ def walk_rank(chunks: list[Chunk], actions: list[tuple[str, int, int]], *, resha
         phase = prefix + (f"layer {i}" if i < n_layers else "loss") + suffix
     return StageMemory(peak=live, phase=phase, weights=weights, grads=g, optimizer=optim, activations=acts,
                        buffers=live - weights - optim - g - acts)
-
