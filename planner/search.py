@@ -26,6 +26,7 @@ from .hardware import Hardware
 from .memory import Position, backward_records, forward_records, interleaved_rounds
 from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
 from .parallel import Job, Workers
+from .listed import solve_listed
 from .partition import StageSizeSearch, even_stage_sizes
 from .plan import CHECKPOINT_MODES, MULTI_STAGE_SCHEDULES, SCHEDULES, Placed, tp_within_nodes, wraps_layers
 
@@ -751,6 +752,10 @@ def takes_its_choices(model: CostModel, cand: Candidate, needed: list[list]) -> 
 
 
 FREE_TIME_LIMIT_S = 2.0   # the memory-free MILP is a shortcut: past this, the full MILP decides
+# A multi-stage candidate's rank-by-rank sweep (planner.listed) within the memory limit: NeMo's
+# Llama 70B VP 5 candidates took 1-8 s each (2 cores), one on 512 GPUs (ZeRO 1, whose steps
+# trade a little time for much work once per step) ran past 20 s; past this the MILP decides.
+LISTED_BUDGET_S = 8.0
 
 
 def fastest_choices(model: CostModel, cand: Candidate, choices: list) -> list[list]:
@@ -809,8 +814,11 @@ def memory_free_layout(model: CostModel, cand: Candidate, choices, needed: list[
     if cand.pp == 1 and any(len(o) > 1 for o in needed):
         return Layout("skipped", None, None), 0
     limit = FREE_TIME_LIMIT_S if opts.time_limit is None else min(FREE_TIME_LIMIT_S, opts.time_limit)
-    return solve_layout(model, cand, choices, opts.solver, time_limit=limit, memory=False, cutoff=cutoff,
-                        run_choices=needed, stage_sizes=pinned_stage_sizes(model, cand)), 1
+    sizes = pinned_stage_sizes(model, cand)
+    listed = sizes and solve_listed(model, cand, choices, sizes, opts.solver, time_limit=limit, memory=False,
+                                    cutoff=cutoff, run_choices=needed)
+    return listed or solve_layout(model, cand, choices, opts.solver, time_limit=limit, memory=False, cutoff=cutoff,
+                                  run_choices=needed, stage_sizes=sizes), 1
 
 
 def pinned_stage_sizes(model: CostModel, cand: Candidate) -> list[int] | None:
@@ -830,12 +838,28 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
     MILP over every layout at once could find its answer in a second and then spend its whole
     limit proving it: the Llama 70B on 64 GPUs spent 96 of 116 s in five such MILPs; by stage
     sizes they take 0.1-0.3 s each; on 512 GPUs its 41 pipeline candidates take 0.003-0.36 s
-    (median 0.006 s, one pinned MILP in all) where their MILPs took 0.07-0.25 s, the slowest 1.3 s."""
+    (median 0.006 s, one pinned MILP in all) where their MILPs took 0.07-0.25 s, the slowest 1.3 s.
+    A pipeline of several stages a rank is solved rank by rank from its stages' listed layouts
+    (planner.listed; NeMo's 70B VP 5 candidates in 1.4-4.4 s where their MILPs took 5-9 s and
+    one stopped at its 20 s limit), by the MILP where that cannot be had or took its budget."""
     if cand.pp > 1 and cand.virtual_stages == 1:
         return StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
                                                                         lower_bound=lower_bound)
-    return solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=cutoff,
-                        lower_bound=lower_bound, stage_sizes=pinned_stage_sizes(model, cand)), 1
+    sizes = pinned_stage_sizes(model, cand)
+    budget = LISTED_BUDGET_S if opts.time_limit is None else min(LISTED_BUDGET_S, opts.time_limit)
+    listed = sizes and solve_listed(model, cand, choices, sizes, opts.solver, time_limit=budget, cutoff=cutoff)
+    if listed and listed.status != "time limit":
+        return listed, 1
+    # Not proven within its budget: the MILP decides, under the best step the sweep found.
+    found = listed.objective if listed and listed.stages else None
+    bar = cutoff if found is None else found if cutoff is None else min(found, cutoff)
+    milp = solve_layout(model, cand, choices, opts.solver, time_limit=opts.time_limit, cutoff=bar,
+                        lower_bound=lower_bound, stage_sizes=sizes)
+    if found is not None and not beyond(found, cutoff) and milp.status in ("cut off", "time limit") \
+            and (milp.objective is None or found <= milp.objective):
+        # nothing beats the sweep's layout, or the MILP stopped before it did
+        return Layout("optimal" if milp.status == "cut off" else "time limit", listed.stages, found), 2
+    return milp, 1 + bool(listed)
 
 
 def gpipe_only_ties(twin: Candidate, free_step_s: float, one_f_one_b: dict[Candidate, float]) -> bool:

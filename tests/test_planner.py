@@ -14,6 +14,7 @@ import pytest
 from planner.build import build_plan
 from planner.cost import Candidate, CostModel, must_offload, zero_model_state_bytes
 from planner.hardware import PRESETS, Hardware
+from planner.listed import solve_listed
 from planner.memory import in_flight, schedule_actions
 from planner.milp import Layout, choices_for, runs_of, solve_layout
 from planner import partition
@@ -392,6 +393,56 @@ def test_milp_equals_brute_force_interleaved(seed, byte_scale, schedule):
     rng.shuffle(cands)
     assert check_against_brute_force(rng, prof, cands[:2], None, "highs", opts.offload, above_frugal=True)
     assert check_against_brute_force(rng, prof, cands[:2], None, "highs", opts.offload, above_frugal=True, even=True)
+
+
+@pytest.mark.parametrize("seed, byte_scale, schedule", [(k, 1, "interleaved") for k in range(540, 550)]
+                         + [(k, 2**17, "interleaved") for k in range(550, 553)] + [(k, 1, "looped_bfs") for k in range(553, 557)])
+def test_listed_stage_layouts_equal_brute_force(seed, byte_scale, schedule):
+    """Several stages a rank, sizes pinned even, solved rank by rank from each stage's listed
+    layouts (planner.listed): brute force's step and the MILP's; "cut off" under a cutoff just
+    below it and the same step just above; without memory, the MILP's fastest layout. A node
+    holds one pipeline rank (its host memory a row of that rank alone); where some layer must
+    offload, the MILP is left to it."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 6)
+    v = 3 if n == 6 and rng.random() < 0.5 else 2
+    gpus = rng.choice([2, 4]) if schedule == "interleaved" else 2     # looped BFS: without FSDP units, dp 1
+    prof = random_profile(rng, n, repeat_runs=rng.random() < 0.6, byte_scale=byte_scale)
+    offload = "auto" if n <= 5 else "none"
+    opts = SolveOptions(gpus=gpus, hardware=cpu_like(1 << 40), global_batch=gpus * 4, pp=2, virtual_stages=v,
+                        offload=offload, schedule=schedule)
+    cands = list(enumerate_candidates(prof, opts))
+    rng.shuffle(cands)
+    checked = 0
+    for cand in cands[:3]:
+        choices = choices_for("auto", offload, cand.allow_offload)
+        lo_hi = CostModel(prof, cpu_like(1 << 40), 8, 1 << 40)
+        sizes = pinned_stage_sizes(lo_hi, cand)
+        bounds = list(itertools.accumulate([0] + sizes))
+        everything = lo_hi.evaluate(cand, [[(i, "none", False) for i in range(a, b)] for a, b in zip(bounds, bounds[1:])])
+        frugal = lo_hi.evaluate(cand, frugal_layout(lo_hi, cand, choices))
+        limit = int(frugal.peak_bytes + max(0, everything.peak_bytes - frugal.peak_bytes) * rng.uniform(0.0, 1.0))
+        model = CostModel(prof, cpu_like(limit), cand.dp * cand.tp, limit)
+        if must_offload(cand, prof.precision):
+            assert solve_listed(model, cand, choices, sizes) is None
+            continue
+        free = solve_listed(model, cand, choices, sizes, memory=False)
+        assert free.objective == pytest.approx(solve_layout(model, cand, choices, memory=False, stage_sizes=sizes).objective,
+                                               rel=1e-9)
+        layout = solve_listed(model, cand, choices, sizes)
+        expected = brute_force(model, cand, choices, sizes)
+        if expected is None:
+            assert layout.stages is None, f"the listed program found a layout for {cand} where none fits"
+            continue
+        pred = model.evaluate(cand, layout.stages)
+        assert pred.fits and [len(st) for st in layout.stages] == sizes
+        assert pred.step_s == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert layout.objective == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        assert solve_layout(model, cand, choices, stage_sizes=sizes).objective == pytest.approx(expected, rel=1e-6)
+        assert solve_listed(model, cand, choices, sizes, cutoff=expected * (1 - 1e-4)).status == "cut off"
+        assert solve_listed(model, cand, choices, sizes, cutoff=expected * (1 + 1e-4)).objective == pytest.approx(expected, rel=1e-6)
+        checked += 1
+    assert checked
 
 
 def test_even_stage_sizes_split_the_remainder_from_both_ends():

@@ -1,0 +1,370 @@
+"""Pipelines of several stages a rank, solved rank by rank from each stage's listed layouts.
+
+Under the multi-stage schedules (interleaved 1F1B, looped BFS) the stage sizes are pinned even
+(partition.even_stage_sizes), so every stage's layers are known and what is left to choose is
+each layer's checkpoint and offload. milp.solve_layout describes that for all ranks at once with
+counts per segment, records gated by binaries and chains of neighbour variables; on NeMo's
+Llama 70B with VP 5 (20 stages) HiGHS took 5-9 s for three of its four ZeRO candidates and ran
+into its 20 s limit on the fourth.
+
+Here each stage's layouts are listed, as the MILP describes them (each run's layers split among
+the open choices in canonical order), and evaluated by the cost model itself: the stage's time
+terms (CostModel.stage_terms) and its part in its rank's walk (memory.walk_chunk: what it holds
+all step, its totals as the rank's other moments read them, its highest record for each kind of
+action). A rank's live bytes at a moment are one such term per stage (memory.walk_rank), so with
+one binary per listed layout each memory row is linear and exact. Ranks share no layer and, but
+for a node's host memory, no row; only the step couples them (solve_listed says how the sweep
+over the fullest rank's once-per-step work finds the optimum from each rank's own program).
+A rank's program keeps only the layouts no other of the same stage beats in every figure it
+reads, and only the rows no other row tops for every layout kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from . import lp
+from .cost import Candidate, CostModel, must_offload
+from .memory import (Moment, StageBytes, final_reduction_record, held_at, holds_sends, peak_moments, schedule_actions,
+                     walk_chunk)
+from .milp import CUTOFF_SLACK, MS, Choice, Layout, _solve, runs_of
+from .partition import _splits
+from .plan import Placed
+
+MAX_LISTED = 4096      # a stage's layouts listed at most; past it milp.solve_layout describes them
+ONCE_STEP = 1e-6       # each round of the sweep bounds the once-per-step work this much (relative, ms) below the last
+BYTE_FIELDS = ("grads", "step_grads", "kept_unsharded", "left_after_backward", "per_micro_batch", "after_backward", "sent")
+
+
+@dataclass
+class StageOptions:
+    """One stage's listed layouts: per option its choices (in layer order) and what it brings."""
+
+    picks: list[tuple[Choice, ...]]
+    time_ms: np.ndarray          # (options,) time per micro-batch
+    once_ms: np.ndarray          # (options,) once-per-step work (optimizer, unhidden gradient sync)
+    static: np.ndarray           # (options,) bytes held all step (memory.ChunkWalk.static)
+    fields: np.ndarray           # (options, BYTE_FIELDS) its StageBytes
+    highest: dict                # (F | B, gradients exist) -> (options,) its highest record's bytes
+    final_flat: np.ndarray       # (options,) its final reduction's largest flat buffer
+    host: np.ndarray             # (options,) host bytes it offloads
+    final: bool                  # some option's layers reduce at the step's end (memory.final_reduction_record)
+
+
+def list_stage(model: CostModel, cand: Candidate, s: int, a: int, b: int, open_to: list[list[Choice]],
+               runs: list[tuple[int, int]], cache: dict) -> StageOptions | None:
+    """Every layout of the stage holding layers a..b (None past MAX_LISTED), evaluated; stages
+    of the same layers, at the same ends of the model, share one list (`cache`)."""
+    held = [(r, min(start + length - 1, b) - max(start, a) + 1) for r, (start, length) in enumerate(runs)
+            if start <= b and start + length - 1 >= a]
+    parts = [_splits(count, len(open_to[r])) for r, count in held]
+    if math.prod(len(p) for p in parts) > MAX_LISTED:
+        return None
+    n = model.profile.n_layers
+    key = (tuple(model.profile.layers[i].signature for i in range(a, b + 1)), a == 0, b == n - 1,
+           tuple(tuple(open_to[r]) for r, _ in held))
+    if key in cache:
+        return cache[key]
+    picks, rows = [], []
+    for combo in itertools.product(*parts):
+        pick = tuple(c for (r, _), split in zip(held, combo) for c, k in zip(open_to[r], split) for _ in range(int(k)))
+        layers = [Placed(i, c.checkpoint, c.offload) for i, c in zip(range(a, b + 1), pick)]
+        terms = model.stage_terms(cand, s, layers)
+        walk = walk_chunk(model.chunk(cand, s, layers), reshard_after_backward=cand.pp == 1, input_is_held=True)
+        picks.append(pick)
+        rows.append((terms.per_micro_batch * MS, terms.once_per_step * MS, walk,
+                     sum(model.layer(cand, i, ck, off).memory.host for i, ck, off in layers)))
+    walks = [w for _, _, w, _ in rows]
+    out = cache[key] = StageOptions(
+        picks=picks,
+        time_ms=np.array([t for t, *_ in rows]), once_ms=np.array([o for _, o, *_ in rows]),
+        static=np.array([w.static for w in walks], dtype=np.float64),
+        fields=np.array([[getattr(w.bytes, f) for f in BYTE_FIELDS] for w in walks], dtype=np.float64),
+        highest={kg: np.array([w.highest[kg][0] for w in walks], dtype=np.float64)
+                 for kg in itertools.product("FB", (False, True))},
+        final_flat=np.array([w.final_flat for w in walks], dtype=np.float64),
+        host=np.array([h for *_, h in rows], dtype=np.float64),
+        final=any(w.reduces_at_end for w in walks))
+    return out
+
+
+def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes: list[int], solver: str = "highs",
+                 time_limit: float | None = None, memory: bool = True, cutoff: float | None = None,
+                 run_choices: list[list[Choice]] | None = None) -> Layout | None:
+    """milp.solve_layout's answer for a candidate with these stage sizes (the same layout space
+    and statuses), rank by rank from listed stage layouts; None where it cannot be had so (a
+    stage with more than MAX_LISTED layouts, a layer that must offload, a node holding ranks of
+    two pipeline ranks whose offloads share its host memory): the caller then asks the MILP.
+
+    The pp ranks share no layer and, but for host memory, no row: only the step couples them,
+    through the sum and the largest of their times per micro-batch and the largest of their
+    once-per-step work (CostModel.pipeline_step_s). For a bound w on the latter, each rank's
+    fastest layout doing at most w once per step is its own small program, and the step is
+    least with all of them. So w sweeps down from unbounded, each time below the fullest rank's
+    work, re-solving only that rank, until the step with the least work any rank could do
+    cannot beat the best found: the optimum is among the steps seen (a layout's work is at most
+    some w of the sweep, where every rank is at least as fast as in it)."""
+    if must_offload(cand, model.precision):
+        return None
+    runs = runs_of([layer.signature for layer in model.profile.layers])
+    open_to = run_choices if run_choices is not None else [choices] * len(runs)
+    starts = list(itertools.accumulate((0, *sizes)))
+    cache: dict = {}
+    stages = []
+    for s in range(len(sizes)):
+        listed = list_stage(model, cand, s, starts[s], starts[s + 1] - 1, open_to, runs, cache)
+        if listed is None:
+            return None
+        stages.append(listed)
+    limit = model.memory_limit if memory else None
+    host_rows = _host_rows(model, cand, stages, limit)
+    if host_rows is None:
+        return None
+    ranks = [RankProgram(model, cand, stages, rank, limit, host_rows.get(rank), solver) for rank in range(cand.pp)]
+
+    m, v = cand.num_micro_batches, cand.virtual_stages
+    if limit is None:
+        best = _combine_frontiers(model, cand, [r.frontier() for r in ranks])
+        return _layout(model, cand, stages, starts, ranks, best, "optimal", cutoff)
+    least_once = max(r.least_once for r in ranks)          # no layout's fullest rank does less
+    most_time = math.inf                                    # a rank's time per micro-batch under the cutoff
+    if cutoff is not None:
+        most_time = (cutoff * MS * (1 + CUTOFF_SLACK) - least_once - sum(r.least_time for r in ranks) / v) / (m - 1 / v)
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    status, best = "optimal", None
+    found = [r.fastest(math.inf, most_time, deadline) for r in ranks]
+    while all(f is not None for f in found):
+        status = "time limit" if any(f.status == "time limit" for f in found) else status
+        if any(f.picks is None for f in found):
+            break
+        times, once = [f.time_ms for f in found], [f.once_ms for f in found]
+        step = model.pipeline_step_s(m, v, sum(times), max(times), max(once))
+        if best is None or step < best[0]:
+            best = (step, [f.picks for f in found])
+        if model.pipeline_step_s(m, v, sum(times), max(times), least_once) >= best[0] * (1 - 1e-12):
+            break                    # less work once per step cannot make up for the slower ranks
+        # Below the fullest rank's work by more than the solver's feasibility tolerance
+        # (1e-7 of a row), so that each round excludes it; values closer are the same work.
+        w = max(once) - ONCE_STEP * max(1.0, max(once))
+        fullest = [p for p, o in enumerate(once) if o > w]
+        rest = [once[p] for p in range(len(ranks)) if p not in fullest]
+        if len(fullest) == 1 and rest and max(rest) < w:
+            # One rank does the most: while it does no less than the next, the others keep
+            # their layouts, and its layout that makes the step shortest beside them is one
+            # program, where the sweep would step through each of its layouts in between.
+            p = fullest[0]
+            alone = ranks[p].fastest(once[p], most_time, deadline,
+                                     (m, v, max(t for q, t in enumerate(times) if q != p), max(rest)))
+            if alone is not None:
+                status = "time limit" if alone.status == "time limit" else status
+            if alone is not None and alone.picks is not None:
+                mixed = [alone if q == p else f for q, f in enumerate(found)]
+                times_a = [f.time_ms for f in mixed]
+                step = model.pipeline_step_s(m, v, sum(times_a), max(times_a), max(f.once_ms for f in mixed))
+                if step < best[0]:
+                    best = (step, [f.picks for f in mixed])
+            w = max(rest) - ONCE_STEP * max(1.0, max(rest))
+        found = [f if f.once_ms <= w else r.fastest(w, most_time, deadline) for r, f in zip(ranks, found)]
+        if any(f is not None and f.once_ms > max(once) for f in found):
+            break                    # (never seen: a solver that ignored the bound would loop)
+    return _layout(model, cand, stages, starts, ranks, best, status, cutoff)
+
+
+def _layout(model: CostModel, cand: Candidate, stages: list[StageOptions], starts: list[int], ranks: list["RankProgram"],
+            best: tuple | None, status: str, cutoff: float | None) -> Layout:
+    """The Layout of the best (step ms, per rank its options) found, or why none."""
+    if best is None or (cutoff is not None and best[0] > cutoff * MS * (1 + CUTOFF_SLACK)):
+        return Layout("cut off" if cutoff is not None else "infeasible", None, None)
+    layout = [[]] * len(stages)
+    for r, picks in zip(ranks, best[1]):
+        for s, j in zip(r.stages, picks):
+            layout[s] = [Placed(i, c.checkpoint, c.offload) for i, c in zip(range(starts[s], starts[s + 1]), stages[s].picks[j])]
+    return Layout(status, layout, best[0] / MS)
+
+
+def _combine_frontiers(model: CostModel, cand: Candidate, frontiers: list[list[tuple]]) -> tuple | None:
+    """The best step of the ranks' (time, once, picks) frontiers: for each bound on the work
+    once per step some rank's point has, every rank its fastest point within it."""
+    best = None
+    for w in sorted({o for f in frontiers for _, o, _ in f}):
+        points = [next((p for p in f if p[1] <= w), None) for f in frontiers]      # each frontier fastest first
+        if None in points:
+            continue
+        times = [t for t, _, _ in points]
+        step = model.pipeline_step_s(cand.num_micro_batches, cand.virtual_stages, sum(times), max(times),
+                                     max(o for _, o, _ in points))
+        if best is None or step < best[0]:
+            best = (step, [p[2] for p in points])
+    return best
+
+
+def _host_rows(model: CostModel, cand: Candidate, stages: list[StageOptions], limit: int | None) -> dict | None:
+    """Per pp rank, the most of its ranks a node holds, where its offloads must fit the node's
+    host memory (CostModel.host_peak_bytes); None where a node holds ranks of two pipeline
+    ranks that offload (a row across ranks)."""
+    if limit is None or not any(x.host.any() for x in stages):
+        return {}
+    rows: dict = {}
+    for counts in model.ranks_per_stage_on_nodes(cand):
+        holding = [rank for rank, n in enumerate(counts) if n]
+        if len(holding) > 1:
+            return None
+        rows[holding[0]] = max(rows.get(holding[0], 0), counts[holding[0]])
+    return rows
+
+
+@dataclass
+class RankFound:
+    """A rank's fastest layout within a bound on its once-per-step work."""
+
+    status: str                  # "optimal" | "time limit"
+    picks: list[int] | None      # per stage of the rank, its option (None: the deadline came first)
+    time_ms: float
+    once_ms: float
+
+
+class RankProgram:
+    """One pp rank's program: one binary per (stage of the rank, option no other of its stage
+    beats in every figure the program reads), each memory row of the rank within the limit."""
+
+    def __init__(self, model: CostModel, cand: Candidate, stages: list[StageOptions], rank: int, limit: int | None,
+                 host_ranks: int | None, solver: str):
+        pp, v, m = cand.pp, cand.virtual_stages, cand.num_micro_batches
+        self.stages = list(range(rank, len(stages), pp))
+        self.options = [stages[s] for s in self.stages]
+        self.limit, self.solver = limit, solver
+        self.host_limit = model.hw.usable_host_bytes() / host_ranks if host_ranks else None
+        cols: list[list[np.ndarray]] = [[] for _ in self.stages]    # chunk -> its options' bytes in each row
+        if limit is not None:
+            sends_held = holds_sends(cand.schedule)
+            actions = schedule_actions(cand.schedule, pp, rank, m, v)
+            for mo in peak_moments(actions, v, sends_held):    # every moment that can peak
+                held = _held(mo, cand.pp == 1, v)
+                for k, x in enumerate(self.options):
+                    cols[k].append(x.static + x.fields @ held[k] + (x.highest[mo.kind, mo.grads_here] if k == mo.chunk else 0))
+            if any(x.final for x in self.options):             # the final gradient reduction
+                fin = _final(len(actions) // 2 // v if sends_held else 0, v)
+                for biggest in range(v):                        # its largest flat buffer is some chunk's
+                    for k, x in enumerate(self.options):
+                        cols[k].append(x.static + x.fields @ fin[k] + (x.final_flat if k == biggest else 0))
+            for k, x in enumerate(self.options):               # the optimizer step
+                cols[k].append(x.static + x.fields[:, BYTE_FIELDS.index("step_grads")])
+        rows = [np.stack(c, axis=1) if c else np.zeros((len(x.picks), 0)) for c, x in zip(cols, self.options)]
+        host = self.host_limit is not None
+        self.kept = [_undominated(np.column_stack([x.time_ms, x.once_ms, r] + ([x.host] if host else [])))
+                     for x, r in zip(self.options, rows)]
+        # A row another row tops for every kept option of every chunk never binds first; with
+        # it gone, the options are pruned again on the rows left (which alone say what fits).
+        binding = _undominated(-np.concatenate([r[kept] for r, kept in zip(rows, self.kept)]).T)
+        self.rows = [r[:, binding] for r in rows]
+        self.kept = [[kept[j] for j in _undominated(np.column_stack([x.time_ms, x.once_ms, r] + ([x.host] if host else []))[kept])]
+                     for x, r, kept in zip(self.options, self.rows, self.kept)]
+        self.least_time = sum(x.time_ms[kept].min() for x, kept in zip(self.options, self.kept))
+        self.least_once = sum(x.once_ms[kept].min() for x, kept in zip(self.options, self.kept))
+
+    def frontier(self) -> list[tuple[float, float, list[int]]]:
+        """Without memory rows: every (time per micro-batch, once-per-step work, options) of
+        the rank that no other beats in both, fastest first: each chunk's such options, summed
+        chunk by chunk and pruned to the same frontier."""
+        points = [(0.0, 0.0, [])]
+        for x, kept in zip(self.options, self.kept):
+            summed = [(t + x.time_ms[j], o + x.once_ms[j], picks + [j]) for t, o, picks in points for j in kept]
+            points = []
+            for p in sorted(summed, key=lambda p: (p[0], p[1])):
+                if not points or p[1] < points[-1][1]:
+                    points.append(p)
+        return points
+
+    def fastest(self, most_once: float, most_time: float, deadline: float | None,
+                step_with: tuple | None = None) -> RankFound | None:
+        """The rank's fastest layout within the memory limit doing at most `most_once` once per
+        step and taking at most `most_time` a micro-batch (ms); None where there is none.
+        `step_with` (m, v, slowest, fullest): instead, its layout that makes the step shortest
+        beside the other ranks' layouts, the slowest of them taking `slowest` a micro-batch
+        and the fullest doing `fullest` once per step (CostModel.pipeline_step_s, less the
+        other ranks' share of the stages' total, which this layout does not change). Status
+        "time limit" with no picks where the deadline came first."""
+        prob = lp.Model("rank")
+        # z[k][j]: the rank's chunk k takes its option kept[k][j]
+        z = [[prob.add_variable(f"z_c{k:03d}_o{j:05d}", cat="Binary") for j in range(len(kept))]
+             for k, kept in enumerate(self.kept)]
+
+        def total(figure) -> lp.Lin:
+            """A figure of the rank's layout (per chunk, its options' values) as an expression."""
+            return lp.lin_sum(lp.Lin({zj.index: float(values[j]) for zj, j in zip(z[k], kept) if values[j]})
+                              for k, (values, kept) in enumerate(zip(figure, self.kept)))
+
+        for k, zk in enumerate(z):
+            prob += lp.lin_sum(zk) == 1, f"chunk{k}_takes_one_layout"
+        for q in range(self.rows[0].shape[1]):
+            prob += total([rows[:, q] for rows in self.rows]) * (1 / self.limit) <= 1, f"memory_row{q}"
+        if self.host_limit is not None:
+            prob += total([x.host for x in self.options]) * (1 / self.host_limit) <= 1, "host_memory"
+        time_ms = total([x.time_ms for x in self.options])
+        once_ms = total([x.once_ms for x in self.options])
+        if most_once < math.inf:
+            prob += once_ms <= most_once, "once_per_step_within_bound"
+        if most_time < math.inf:
+            prob += time_ms <= most_time, "time_within_cutoff"
+        if step_with is None:
+            prob += time_ms, "time_per_micro_batch"
+        else:
+            m, v, slowest, fullest = step_with
+            tau = prob.add_variable("tau", slowest)          # the slowest rank's time per micro-batch (ms)
+            omega = prob.add_variable("omega", fullest)      # the fullest rank's once-per-step work (ms)
+            prob += tau >= time_ms, "tau_at_least_this_rank"
+            prob += omega >= once_ms, "omega_at_least_this_rank"
+            prob += CostModel.pipeline_step_s(m, v, time_ms, tau, omega), "step_time_beside_the_others"
+        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        status = _solve(prob, self.solver, left)
+        if status == "infeasible":
+            return None
+        if status != "optimal" and status != "time limit":          # the deadline, with nothing found
+            return RankFound("time limit", None, math.inf, math.inf)
+        picks = [kept[max(range(len(zk)), key=lambda j: zk[j].value())] for zk, kept in zip(z, self.kept)]
+        return RankFound(status, picks, sum(float(x.time_ms[j]) for x, j in zip(self.options, picks)),
+                         sum(float(x.once_ms[j]) for x, j in zip(self.options, picks)))
+
+
+@cache
+def _held(mo: Moment, reshard_after_backward: bool, v: int) -> tuple[np.ndarray, ...]:
+    """Per chunk, what each of its StageBytes fields adds to the bytes held at moment `mo` (held_at)."""
+    def fn(stage_bytes):
+        h = held_at(mo, [stage_bytes(j) for j in range(v)], reshard_after_backward)
+        return h.grads + h.activations + h.buffers
+    return tuple(_unit_rows(fn, v))
+
+
+@cache
+def _final(micro_batches: int, v: int) -> tuple[np.ndarray, ...]:
+    """Per chunk, what each of its StageBytes fields adds to the final reduction's record
+    (final_reduction_record, its flat buffer aside)."""
+    def fn(stage_bytes):
+        r = final_reduction_record([stage_bytes(j) for j in range(v)], 0, micro_batches)
+        return r.grads + r.activations + r.buffers
+    return tuple(_unit_rows(fn, v))
+
+
+def _unit_rows(fn, v: int) -> list[np.ndarray]:
+    """fn's coefficient of each StageBytes field of each chunk, by evaluating it on unit
+    vectors: memory.py stays the one place that says what a moment holds."""
+    return [np.array([fn(lambda j, k=k, f=f: StageBytes(**{f: 1}) if j == k else StageBytes()) for f in BYTE_FIELDS],
+                     dtype=np.float64) for k in range(v)]
+
+
+def _undominated(x: np.ndarray) -> list[int]:
+    """Indices of the rows of x (options x figures, lower is better) that no other row beats
+    or equals in every figure (of equal rows, the first), in order."""
+    order = np.lexsort(tuple(x[:, q] for q in reversed(range(x.shape[1]))))
+    kept: list[int] = []
+    for j in order:
+        if kept and np.all(x[kept] <= x[j], axis=1).any():
+            continue
+        kept.append(int(j))
+    return sorted(kept)
