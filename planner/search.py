@@ -17,7 +17,7 @@ import os
 import time
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from profiles.schema import Profile
 
@@ -411,13 +411,13 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     # one it would have got itself (Outcome), so the plan is the same with or without them.
     n_workers = available_cores() if opts.workers is None else opts.workers
     workers = None
-    handed: dict[Candidate, Job] = {}            # candidate -> its job (args: solve_candidate's), until taken
+    handed: dict[Candidate, Job] = {}            # candidate -> its job (args: a SolveJob), until taken
     scanned = 0                                  # candidates before this one have been looked at to hand out
     slowest_here = 0.0                           # the longest a candidate's solves took here
 
-    def job_args(cand: Candidate) -> tuple:
-        return (cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload), needed_of[cand], cutoff_now(),
-                free_layouts.get(one_f_one_b_twin(cand)))
+    def job_args(cand: Candidate) -> SolveJob:
+        return SolveJob(cand, choices_for(opts.checkpoint, opts.offload, cand.allow_offload), needed_of[cand], cutoff_now(),
+                        free_layouts.get(one_f_one_b_twin(cand)))
 
     def hand_out(k: int) -> None:
         """Keep AHEAD_PER_WORKER candidates a worker handed out, from candidate k on, each
@@ -437,7 +437,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 return
         cutoff = cutoff_now()
         for cand, job in list(handed.items()):
-            if job.args[3] != cutoff and job.future.cancel():
+            if job.args.cutoff != cutoff and job.future.cancel():
                 handed[cand] = workers.submit(job_args(cand))
         scanned = max(scanned, k)
         while len(handed) < AHEAD_PER_WORKER * n_workers and scanned < len(bounded):
@@ -457,7 +457,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         if job is None:
             return None
         try:
-            if job.args[3] != cutoff_now():
+            if job.args.cutoff != cutoff_now():
                 wait([job.future], timeout=STALE_WAIT_S)
                 if not job.future.done():
                     workers.abandon(job)
@@ -611,6 +611,17 @@ def one_f_one_b_twin(cand: Candidate) -> Candidate:
 def _looser(then: float | None, now: float | None) -> bool:
     """Whether cutoff `then` lets through every layout cutoff `now` does (None: no cutoff)."""
     return then is None or (now is not None and then >= now)
+
+
+class SolveJob(NamedTuple):
+    """A candidate's solves as handed to a worker: solve_candidate's arguments after the model
+    and options (a tuple, so a worker passes it on as they are)."""
+
+    cand: Candidate
+    choices: list
+    needed: list[list]
+    cutoff: float | None         # the cutoff of the moment it was handed out
+    given: Layout | None         # its 1F1B twin's memory-free answer, if known
 
 
 @dataclass
