@@ -147,7 +147,18 @@ def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes
         step = model.pipeline_step_s(m, v, sum(times), max(times), max(once))
         if best is None or step < best[0]:
             best = (step, [f.picks for f in found])
-        if model.pipeline_step_s(m, v, sum(times), max(times), least_once) >= best[0] * (1 - 1e-12):
+        # The least work once per step a better layout can have: each of its ranks takes at most
+        # `cap` a micro-batch (no rank is faster than now), and within that, even with no memory
+        # limit, does at least its frontier's least (RankProgram.least_once_within); each floor
+        # tightens the cap in turn.
+        floor = least_once
+        for _ in range(8):
+            cap = (best[0] - sum(times) / v - floor) / (m - 1 / v) * (1 + 1e-9)
+            tighter = max(r.least_once_within(cap) for r in ranks)
+            if tighter <= floor:
+                break
+            floor = tighter
+        if model.pipeline_step_s(m, v, sum(times), max(times), floor) >= best[0] * (1 - 1e-12):
             break                    # less work once per step cannot make up for the slower ranks
         # Below the fullest rank's work by more than the solver's feasibility tolerance
         # (1e-7 of a row), so that each round excludes it; values closer are the same work.
@@ -265,8 +276,17 @@ class RankProgram:
         self.rows = [r[:, binding] for r in rows]
         self.kept = [[kept[j] for j in _undominated(np.column_stack([x.time_ms, x.once_ms, r] + ([x.host] if host else []))[kept])]
                      for x, r, kept in zip(self.options, self.rows, self.kept)]
+        self._frontier = None                 # frontier(), made when least_once_within first asks
         self.least_time = sum(x.time_ms[kept].min() for x, kept in zip(self.options, self.kept))
         self.least_once = sum(x.once_ms[kept].min() for x, kept in zip(self.options, self.kept))
+
+    def least_once_within(self, most_time: float) -> float:
+        """The least once-per-step work of any layout of the rank taking at most `most_time` a
+        micro-batch, memory aside (inf where none is that fast): a floor, from its frontier."""
+        if self._frontier is None:
+            self._frontier = self.frontier()
+        within = [o for t, o, _ in self._frontier if t <= most_time]
+        return min(within) if within else math.inf
 
     def frontier(self) -> list[tuple[float, float, list[int]]]:
         """Without memory rows: every (time per micro-batch, once-per-step work, options) of
