@@ -851,7 +851,7 @@ def solve_memory_layout(model: CostModel, cand: Candidate, choices, opts: SolveO
     sizes they take 0.1-0.3 s each; on 512 GPUs its 41 pipeline candidates take 0.003-0.36 s
     (median 0.006 s, one pinned MILP in all) where their MILPs took 0.07-0.25 s, the slowest 1.3 s.
     A pipeline of several stages a rank is solved rank by rank from its stages' listed layouts
-    (planner.listed; NeMo's 70B VP 5 candidates in 1.4-4.4 s where their MILPs took 5-9 s and
+    (planner.listed; NeMo's 70B VP 5 candidates in 1-9 s where their MILPs took 5-9 s and
     one stopped at its 20 s limit), by the MILP where that cannot be had or took its budget."""
     if cand.pp > 1 and cand.virtual_stages == 1:
         return StageSizeSearch(model, cand, choices, opts.solver).solve(time_limit=opts.time_limit, cutoff=cutoff,
