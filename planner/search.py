@@ -523,12 +523,10 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 # or offload adds memory, and a layout that does not fit goes on to the memory solve,
                 # which reaches the same step if any fitting layout does (the 405B shape: 134 of
                 # these, none changed by simplify, took 1.9 of its 13 s).
-                free_stages, free_pred = free.stages, None
-                if not model.overfills_a_rank(cand, free.stages):
-                    free_pred = model.evaluate(cand, free.stages)
-                    if free_pred.fits and not outside_top_k(result, opts.top_k, free_pred.step_s):
-                        free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
-                        free_pred = model.evaluate(cand, free_stages)
+                free_stages, free_pred = free.stages, fitting_prediction(model, cand, free.stages)
+                if free_pred is not None and not outside_top_k(result, opts.top_k, free_pred.step_s):
+                    free_stages = simplify(model, cand, free.stages, CHECKPOINT_FLAGS[opts.checkpoint])
+                    free_pred = model.evaluate(cand, free_stages)
                 if free_pred is not None and free_pred.fits:
                     result.free_fits += 1
                     add_solution(cand, free_stages, free_pred)
@@ -602,6 +600,16 @@ def beyond(step_s: float, cutoff: float | None) -> bool:
     return cutoff is not None and step_s > cutoff * (1 + CUTOFF_SLACK)
 
 
+def fitting_prediction(model: CostModel, cand: Candidate, stages) -> Prediction | None:
+    """The layout's prediction where it fits, else None: a memory-free layout that fits is its
+    candidate's optimum, and settles it (checked rank by rank first, stopping at the first rank
+    over the limit, before the whole evaluation)."""
+    if model.overfills_a_rank(cand, stages):
+        return None
+    pred = model.evaluate(cand, stages)
+    return pred if pred.fits else None
+
+
 def one_f_one_b_twin(cand: Candidate) -> Candidate:
     """The 1F1B candidate a GPipe one shares its memory-free MILP with (the schedule enters only
     the memory rows); any other candidate is its own."""
@@ -673,8 +681,7 @@ def solve_candidate(model: CostModel, opts: SolveOptions, cand: Candidate, choic
         free, free_milps = memory_free_layout(model, cand, choices, needed, opts, cutoff)
         used = free
     settled = used.status == "cut off" or (used.status == "optimal" and (
-        beyond(used.objective, cutoff)
-        or (not model.overfills_a_rank(cand, used.stages) and model.evaluate(cand, used.stages).fits)))
+        beyond(used.objective, cutoff) or fitting_prediction(model, cand, used.stages) is not None))
     if settled:
         return Outcome(cutoff, free, free_milps, used, None, 0)
     bound = used.objective if used.status == "optimal" else None
