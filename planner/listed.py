@@ -33,7 +33,7 @@ from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import (Moment, StageBytes, final_reduction_record, held_at, holds_sends, peak_moments, schedule_actions,
                      walk_chunk)
-from .milp import CUTOFF_SLACK, MS, Choice, Layout, _solve, runs_of
+from .milp import CUTOFF_SLACK, MS, Choice, Layout, _solve, beyond, runs_of
 from .partition import _splits
 from .plan import Placed
 
@@ -131,7 +131,7 @@ def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes
     m, v = cand.num_micro_batches, cand.virtual_stages
     if limit is None:
         best = _combine_frontiers(model, cand, [r.frontier() for r in ranks])
-        return _layout(model, cand, stages, starts, ranks, best, "optimal", cutoff)
+        return _layout(stages, starts, ranks, best, "optimal", cutoff)
     least_once = max(r.least_once for r in ranks)          # no layout's fullest rank does less
     most_time = math.inf                                    # a rank's time per micro-batch under the cutoff
     if cutoff is not None:
@@ -144,7 +144,7 @@ def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes
         if any(f.picks is None for f in found):
             break
         times, once = [f.time_ms for f in found], [f.once_ms for f in found]
-        step = model.pipeline_step_s(m, v, sum(times), max(times), max(once))
+        step = _step(model, cand, times, once)
         if best is None or step < best[0]:
             best = (step, [f.picks for f in found])
         # The least work once per step a better layout can have: each of its ranks takes at most
@@ -176,27 +176,31 @@ def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes
                 status = "time limit" if alone.status == "time limit" else status
             if alone is not None and alone.picks is not None:
                 mixed = [alone if q == p else f for q, f in enumerate(found)]
-                times_a = [f.time_ms for f in mixed]
-                step = model.pipeline_step_s(m, v, sum(times_a), max(times_a), max(f.once_ms for f in mixed))
+                step = _step(model, cand, [f.time_ms for f in mixed], [f.once_ms for f in mixed])
                 if step < best[0]:
                     best = (step, [f.picks for f in mixed])
             w = max(rest) - ONCE_STEP * max(1.0, max(rest))
         found = [f if f.once_ms <= w else r.fastest(w, most_time, deadline) for r, f in zip(ranks, found)]
         if any(f is not None and f.once_ms > max(once) for f in found):
             break                    # (never seen: a solver that ignored the bound would loop)
-    return _layout(model, cand, stages, starts, ranks, best, status, cutoff)
+    return _layout(stages, starts, ranks, best, status, cutoff)
 
 
-def _layout(model: CostModel, cand: Candidate, stages: list[StageOptions], starts: list[int], ranks: list["RankProgram"],
-            best: tuple | None, status: str, cutoff: float | None) -> Layout:
+def _layout(stages: list[StageOptions], starts: list[int], ranks: list["RankProgram"], best: tuple | None, status: str,
+            cutoff: float | None) -> Layout:
     """The Layout of the best (step ms, per rank its options) found, or why none."""
-    if best is None or (cutoff is not None and best[0] > cutoff * MS * (1 + CUTOFF_SLACK)):
+    if best is None or beyond(best[0] / MS, cutoff):
         return Layout("cut off" if cutoff is not None else "infeasible", None, None)
     layout = [[]] * len(stages)
     for r, picks in zip(ranks, best[1]):
         for s, j in zip(r.stages, picks):
             layout[s] = [Placed(i, c.checkpoint, c.offload) for i, c in zip(range(starts[s], starts[s + 1]), stages[s].picks[j])]
     return Layout(status, layout, best[0] / MS)
+
+
+def _step(model: CostModel, cand: Candidate, times: list[float], once: list[float]) -> float:
+    """The step (ms) of ranks taking `times` a micro-batch and doing `once` once per step."""
+    return model.pipeline_step_s(cand.num_micro_batches, cand.virtual_stages, sum(times), max(times), max(once))
 
 
 def _combine_frontiers(model: CostModel, cand: Candidate, frontiers: list[list[tuple]]) -> tuple | None:
@@ -207,9 +211,7 @@ def _combine_frontiers(model: CostModel, cand: Candidate, frontiers: list[list[t
         points = [next((p for p in f if p[1] <= w), None) for f in frontiers]      # each frontier fastest first
         if None in points:
             continue
-        times = [t for t, _, _ in points]
-        step = model.pipeline_step_s(cand.num_micro_batches, cand.virtual_stages, sum(times), max(times),
-                                     max(o for _, o, _ in points))
+        step = _step(model, cand, [t for t, _, _ in points], [o for _, o, _ in points])
         if best is None or step < best[0]:
             best = (step, [p[2] for p in points])
     return best

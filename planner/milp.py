@@ -61,6 +61,12 @@ MS = 1e3                # time rows in milliseconds, memory rows as a fraction o
                         # coefficients near 1, without which CBC's cuts can cut off the optimum
 
 
+def beyond(step_s: float, cutoff: float | None) -> bool:
+    """Whether a step time cannot enter the top K under `cutoff` (None: no cutoff yet): over
+    it by more than CUTOFF_SLACK, so that exact ties stay."""
+    return cutoff is not None and step_s > cutoff * (1 + CUTOFF_SLACK)
+
+
 @dataclass(frozen=True)
 class Choice:
     checkpoint: str          # planner.plan.CHECKPOINT_MODES

@@ -24,7 +24,7 @@ from profiles.schema import Profile
 from .cost import Candidate, CostModel, Prediction, must_offload, tp_divides
 from .hardware import Hardware
 from .memory import Position, backward_records, forward_records, interleaved_rounds
-from .milp import CHECKPOINT_FLAGS, CUTOFF_SLACK, Layout, choices_for, runs_of, solve_layout
+from .milp import CHECKPOINT_FLAGS, Layout, beyond, choices_for, runs_of, solve_layout
 from .parallel import Job, Workers
 from .listed import solve_listed
 from .partition import StageSizeSearch, even_stage_sizes
@@ -592,12 +592,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:                   # (macOS, Windows)
         return os.cpu_count() or 1
-
-
-def beyond(step_s: float, cutoff: float | None) -> bool:
-    """Whether a step time cannot enter the top K under `cutoff` (None: no cutoff yet): over
-    it by more than CUTOFF_SLACK, so that exact ties stay."""
-    return cutoff is not None and step_s > cutoff * (1 + CUTOFF_SLACK)
 
 
 def fitting_prediction(model: CostModel, cand: Candidate, stages) -> Prediction | None:
