@@ -43,7 +43,10 @@ from .milp import CUTOFF_SLACK, Choice, Layout, _solve, runs_of, solve_layout
 from .plan import Placed
 
 
-MAX_SPLITS = 50_000      # a stage's choice splits listed at once (numpy); past it, floors by relaxation, vectors by pinned MILPs
+MAX_SPLITS = 50_000      # a stage's choice splits its floor's fastest time is taken over (numpy); past it, a relaxation
+# A stage's choice splits stage_options may list (numpy, one axis a run; a first stage of 18
+# blocks with the embedding holds 1.2 million); past it, the vector's pinned MILP decides.
+MAX_LISTED = 2_000_000
 MAX_EXPANDED = 200_000   # partial size vectors expanded before the search gives up (reported as a time limit)
 # Walks (CostModel.rank_memory, 1-2 ms each) one stage's listed layouts may take before the
 # stage is left to the pinned MILP: its floor can let through many a layout the walk refuses.
@@ -139,7 +142,8 @@ class _StageLayouts:
     far stage_options has walked them."""
 
     a: int                        # the stage's first layer
-    counts: np.ndarray            # (splits, columns): layers of each (run, choice)
+    parts: list                   # per run: its splits among the choices (_splits)
+    index: np.ndarray             # (splits, runs): each split's row in every run's part
     time_s: np.ndarray            # (splits,): time per micro-batch
     once_s: np.ndarray            # (splits,): once-per-step work
     host: np.ndarray              # (splits,): host bytes offloaded
@@ -351,29 +355,23 @@ class StageSizeSearch:
         self._fastest_of_span[span] = self._fastest[key]
         return self._fastest[key]
 
-    def _listable(self, floor: StageFloor) -> bool:
-        """Whether the stage's splits among the choices are few enough to list (MAX_SPLITS)."""
+    def _listable(self, floor: StageFloor, most: int = MAX_SPLITS) -> bool:
+        """Whether the stage's splits among the choices are at most `most`."""
         k = len(self.choices)
-        return math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) <= MAX_SPLITS
+        return math.prod(math.comb(count + k - 1, k - 1) for count in floor.counts.values()) <= most
 
-    def _splits_within(self, floor: StageFloor, a: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every split of each run's layers among the choices, one row of counts per split
-        (columns as floor.cols, rows as _split_table), and whether it meets every floor row (a
-        layer's own terms by the choice it takes: runs in order, each run's choices in
-        canonical order). A row's live bytes are a sum of one part per run, each depending on
-        that run's split alone, so the parts are summed by broadcasting, one axis a run, not
-        by a product with the whole table (the 405B shape's 3,545 stages in 1.5 s where they
-        took 2.1: most of them list tens of thousands of splits)."""
+    def _grid(self, floor: StageFloor, a: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """Every split of each run's layers among the choices, per run (_splits, columns as
+        the run's in floor.cols), and whether each combination of them meets every floor row
+        (an array with one axis a run; a layer's own terms by the choice it takes: runs in
+        order, each run's choices in canonical order). A row's live bytes are a sum of one part
+        per run, each depending on that run's split alone, so the parts are summed by
+        broadcasting, not listed as a table (the 405B shape's 3,545 stages in 1.5 s where a
+        table took 2.1: most of them hold tens of thousands of splits)."""
         k, sizes = len(self.choices), tuple(floor.counts.values())     # runs in column order (sorted)
         runs = sorted(floor.counts)
         parts = [_splits(count, k) for count in sizes]                  # per run: (its splits, k)
-        shape = tuple(len(part) for part in parts)
-
-        def along(q: int, x: np.ndarray) -> np.ndarray:
-            """Run q's part, laid along its own axis."""
-            return x.reshape([n if j == q else 1 for j, n in enumerate(shape)])
-
-        fits = np.ones(shape, dtype=bool)
+        fits = np.ones(tuple(len(part) for part in parts), dtype=bool)
         for per_layer, room, terms in floor.rows:
             w = np.array(per_layer, dtype=np.float64)
             own = [part @ w[q * k:(q + 1) * k] for q, part in enumerate(parts)]
@@ -382,14 +380,14 @@ class StageSizeSearch:
                 before = a + offset - max(a, self.runs[run][0])          # the run's layers before it in the stage
                 q = runs.index(run)
                 own[q] = own[q] + sign * np.array(values, dtype=np.float64)[_choice_taken(sizes[q], k, before)]
-            fits &= sum(along(q, x) for q, x in enumerate(own)) <= room
-        return _split_table(sizes, k), fits.reshape(-1)
+            fits &= _broadcast_sum(own) <= room
+        return parts, fits
 
     def _fastest_by_splits(self, floor: StageFloor, a: int) -> float:
-        counts, fits = self._splits_within(floor, a)
+        parts, fits = self._grid(floor, a)
         if not fits.any():
             return math.inf
-        return float((counts[fits] @ np.array(floor.time_s, dtype=np.float64)).min())
+        return float(_on_grid(parts, np.array(floor.time_s, dtype=np.float64))[fits].min())
 
     @staticmethod
     def _fastest_by_relaxation(floor: StageFloor) -> float:
@@ -463,17 +461,19 @@ class StageSizeSearch:
         state = self._layouts.get(key)
         if state is None:
             floor = self.stage_floor(s, a, b)
-            if not self._listable(floor):
+            if not self._listable(floor, MAX_LISTED):
                 return None
-            counts, fits = self._splits_within(floor, a)
-            counts = counts[fits]
-            col = lambda figure: np.array([figure(self.cost[c]) for c in floor.cols], dtype=np.float64)  # noqa: E731
-            time_s = floor.const_s + counts @ np.array(floor.time_s, dtype=np.float64)
-            window = counts @ col(lambda x: x.sync_s) - floor.share * (counts @ col(lambda x: x.compute_s))
-            once_s = counts @ col(lambda x: x.step_s) + np.maximum(0.0, window)
+            parts, fits = self._grid(floor, a)
+            where = np.nonzero(fits)              # per run, its split in each fitting combination
+
+            def total(figure) -> np.ndarray:      # (splits,): a figure summed over each fitting split's layers
+                return _on_grid(parts, np.array([figure(self.cost[c]) for c in floor.cols], dtype=np.float64))[where]
+            time_s = floor.const_s + total(lambda x: x.micro_batch_s)
+            window = total(lambda x: x.sync_s) - floor.share * total(lambda x: x.compute_s)
+            once_s = total(lambda x: x.step_s) + np.maximum(0.0, window)
             order = np.lexsort((once_s, time_s))
-            state = self._layouts[key] = _StageLayouts(a, counts[order], time_s[order], once_s[order],
-                                                       counts[order] @ col(lambda x: x.memory.host), floor.cols)
+            state = self._layouts[key] = _StageLayouts(a, parts, np.stack(where, axis=1)[order], time_s[order],
+                                                       once_s[order], total(lambda x: x.memory.host)[order], floor.cols)
         limit = self.model.memory_limit
         while state.next < len(state.time_s) and state.time_s[state.next] <= most_s:
             j = state.next
@@ -494,7 +494,8 @@ class StageSizeSearch:
     def _stage_layout(self, state: "_StageLayouts", j: int) -> list[Placed]:
         """The stage's (layer, checkpoint, offload) of split j: each run's layers take the
         choices in canonical order."""
-        picks = [c for (_, c), count in zip(state.cols, state.counts[j]) for _ in range(int(round(count)))]
+        counts = np.concatenate([part[i] for part, i in zip(state.parts, state.index[j])])
+        picks = [c for (_, c), count in zip(state.cols, counts) for _ in range(int(round(count)))]
         return [Placed(i, c.checkpoint, c.offload) for i, c in zip(range(state.a, state.a + len(picks)), picks)]
 
     def solve_sizes(self, sizes: tuple[int, ...], bar: float) -> Layout | None:
@@ -631,24 +632,29 @@ class StageSizeSearch:
 
 @lru_cache(maxsize=256)
 def _splits(count: int, k: int) -> np.ndarray:
-    """Every way of splitting `count` layers among k choices, one row each (stars and bars)."""
-    rows = []
-    for bars in itertools.combinations(range(count + k - 1), k - 1):
-        edges = (-1, *bars, count + k - 1)
-        rows.append([edges[j + 1] - edges[j] - 1 for j in range(k)])
-    return np.array(rows, dtype=np.float64).reshape(-1, k)
+    """Every way of splitting `count` layers among k choices, one row each, in lexicographic
+    order (the first choice's count ascending)."""
+    if k == 1:
+        return np.full((1, 1), float(count))
+    rows = [np.hstack([np.full((len(rest), 1), float(first)), rest])
+            for first in range(count + 1) for rest in [_splits(count - first, k - 1)]]
+    out = np.vstack(rows)
+    out.flags.writeable = False
+    return out
 
 
-@lru_cache(maxsize=16)      # each at most MAX_SPLITS rows
-def _split_table(sizes: tuple[int, ...], k: int) -> np.ndarray:
-    """Every split of runs of these sizes among k choices each: one row per combination of
-    the runs' splits, k columns per run (the first run's splits vary slowest)."""
-    table = np.zeros((1, 0))
-    for count in sizes:
-        part = _splits(count, k)
-        table = np.hstack([np.repeat(table, len(part), axis=0), np.tile(part, (len(table), 1))])
-    table.flags.writeable = False
-    return table
+def _broadcast_sum(per_run: list[np.ndarray]) -> np.ndarray:
+    """Per run a figure of each of its splits -> the figure of every combination (one axis a
+    run, the first run's slowest)."""
+    shape = tuple(len(x) for x in per_run)
+    return sum(x.reshape([n if j == q else 1 for j, n in enumerate(shape)]) for q, x in enumerate(per_run))
+
+
+def _on_grid(parts: list[np.ndarray], per_column: np.ndarray) -> np.ndarray:
+    """A per-column figure summed over a stage's columns, for every combination of its runs'
+    splits (_broadcast_sum)."""
+    k = parts[0].shape[1]
+    return _broadcast_sum([part @ per_column[q * k:(q + 1) * k] for q, part in enumerate(parts)])
 
 
 @lru_cache(maxsize=256)

@@ -243,6 +243,7 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
     MILP); for another third, stages left to the pinned MILP after one walk."""
     if seed % 3 == 0:
         monkeypatch.setattr(partition, "MAX_SPLITS", 0)
+        monkeypatch.setattr(partition, "MAX_LISTED", 0)
     if seed % 3 == 1:
         monkeypatch.setattr(partition, "MAX_WALKS", 1)    # stages handed to the pinned MILP part way
     checked = 0
