@@ -33,13 +33,22 @@ from . import lp
 from .cost import Candidate, CostModel, must_offload
 from .memory import (Moment, StageBytes, final_reduction_record, held_at, holds_sends, peak_moments, schedule_actions,
                      walk_chunk)
-from .milp import CUTOFF_SLACK, MS, Choice, Layout, _solve, beyond, runs_of
+from .milp import CUTOFF_SLACK, MS, Choice, Layout, _no_banner, _solve, beyond, runs_of
 from .partition import _splits
 from .plan import Placed
 
 MAX_LISTED = 4096      # a stage's layouts listed at most; past it milp.solve_layout describes them
 ONCE_STEP = 1e-6       # each round of the sweep bounds the once-per-step work this much (relative, ms) below the last
 BYTE_FIELDS = ("grads", "step_grads", "kept_unsharded", "left_after_backward", "per_micro_batch", "after_backward", "sent")
+# A rank's program listed (RankProgram._enumerate): the pairs of a partial layout and a chunk's
+# option looked at in one block, and the partial layouts kept; past the latter, HiGHS decides.
+MAX_PAIRS = 2_000_000
+MAX_ENUMERATED = 200_000
+
+
+def within(bound: float) -> float:
+    """A bound on a sum, less strict by rounding: sums taken in another order than the rows'."""
+    return bound + 1e-12 * max(1.0, abs(bound))
 
 
 @dataclass
@@ -343,6 +352,10 @@ class RankProgram:
             prob += tau >= time_ms, "tau_at_least_this_rank"
             prob += omega >= once_ms, "omega_at_least_this_rank"
             prob += CostModel.pipeline_step_s(m, v, time_ms, tau, omega), "step_time_beside_the_others"
+        if self.solver == "highs" and self.limit is not None:
+            listed = self._enumerate(prob, most_once, most_time, step_with)
+            if listed is not None:
+                return listed[0]
         left = None if deadline is None else max(0.0, deadline - time.perf_counter())
         status = _solve(prob, self.solver, left)
         if status == "infeasible":
@@ -350,8 +363,114 @@ class RankProgram:
         if status != "optimal" and status != "time limit":          # the deadline, with nothing found
             return RankFound("time limit", None, math.inf, math.inf)
         picks = [kept[max(range(len(zk)), key=lambda j: zk[j].value())] for zk, kept in zip(z, self.kept)]
+        return self._found(status, picks)
+
+    def _found(self, status: str, picks: list[int]) -> RankFound:
         return RankFound(status, picks, sum(float(x.time_ms[j]) for x, j in zip(self.options, picks)),
                          sum(float(x.once_ms[j]) for x, j in zip(self.options, picks)))
+
+    def _enumerate(self, prob: lp.Model, most_once: float, most_time: float,
+                   step_with: tuple | None) -> tuple[RankFound | None] | None:
+        """The program's optimum without branch and bound, or None where its enumeration would
+        hold more than MAX_ENUMERATED partial layouts (the MILP then decides): (RankFound,) or
+        (None,) where no layout is within the rows.
+
+        The linear relaxation's row duals give multipliers lam >= 0 (and, for `step_with`,
+        shares a, b in [0, 1]); with them every layout within the rows has
+            step >= g = sum over chunks of g_k(option) + const
+        (each row's slack times its multiplier is >= 0; max(x, y) >= a x + (1 - a) y), and g is a
+        sum of one term per chunk. So every layout better than a step U has g < U: the layouts
+        with g and step at most U are listed chunk by chunk (a partial one kept only while it
+        can still meet every row, g and the step), each checked exactly, and the best of them is
+        the optimum. U starts just above the least g and doubles its distance from it until a
+        layout is found (or U passes every layout's step: none fits)."""
+        with _no_banner():
+            relaxed = prob.solve_highs(None, 0.0, relax=True)
+        if relaxed != "optimal":
+            return (None,) if relaxed == "infeasible" else None
+        dual = {name: abs(d) for (name, _), d in zip(prob.rows, prob.row_duals)}
+        T = [np.asarray(x.time_ms[kept], dtype=np.float64) for x, kept in zip(self.options, self.kept)]
+        O = [np.asarray(x.once_ms[kept], dtype=np.float64) for x, kept in zip(self.options, self.kept)]
+        R = [np.asarray(rows[kept], dtype=np.float64) / self.limit for rows, kept in zip(self.rows, self.kept)]
+        H = [np.asarray(x.host[kept], dtype=np.float64) / self.host_limit for x, kept in zip(self.options, self.kept)] \
+            if self.host_limit is not None else [np.zeros(len(t)) for t in T]
+        lam = np.array([dual.get(f"memory_row{q}", 0.0) for q in range(R[0].shape[1])])
+        lam_host = dual.get("host_memory", 0.0)
+        lam_once = dual.get("once_per_step_within_bound", 0.0) if most_once < math.inf else 0.0
+        lam_time = dual.get("time_within_cutoff", 0.0) if most_time < math.inf else 0.0
+        const = -lam.sum() - lam_host * (self.host_limit is not None) - lam_once * (most_once if lam_once else 0.0) \
+            - lam_time * (most_time if lam_time else 0.0)
+        if step_with is None:
+            def step(t, o):
+                return t
+            per_time, per_once = 1.0, 0.0
+        else:
+            m, v, slowest, fullest = step_with
+            a = min(1.0, dual.get("tau_at_least_this_rank", 0.0) / (m - 1 / v))
+            b = min(1.0, dual.get("omega_at_least_this_rank", 0.0))
+            per_time, per_once = 1 / v + (m - 1 / v) * a, b
+            const += (m - 1 / v) * (1 - a) * slowest + (1 - b) * fullest
+
+            def step(t, o):
+                return CostModel.pipeline_step_s(m, v, t, np.maximum(slowest, t), np.maximum(fullest, o))
+        G = [(per_time + lam_time) * t + (per_once + lam_once) * o + r @ lam + lam_host * h for t, o, r, h in zip(T, O, R, H)]
+        order = sorted(range(len(T)), key=lambda k: len(T[k]))        # the chunk of most options last
+        K = len(order)
+        least = lambda arrays: [sum(arrays[k].min(axis=0) for k in order[i:]) for i in range(K + 1)]  # noqa: E731
+        least_g, least_t, least_o, least_r, least_h = (least(x) for x in (G, T, O, R, H))
+        floor = least_g[0] + const
+        top = float(step(sum(x.max() for x in T), sum(x.max() for x in O)))     # no layout takes longer
+        bar = floor + max(1e-9, 1e-6 * abs(floor))
+        while True:
+            states = self._states(order, bar - const, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h,
+                                  most_once, most_time, step, bar)
+            if states is None:
+                return None
+            t, o, fullest_row, picks = states
+            if len(t):
+                value = step(t, o)
+                best = float(value.min())
+                if best <= bar:
+                    # ties (to a nanosecond) to less once-per-step work, then the lower peak
+                    j = int(np.lexsort((fullest_row, o, np.round(value, 6)))[0])
+                    return (self._found("optimal", [self.kept[k][int(picks[j, i])] for k, i in
+                                                    sorted(zip(order, range(K)))]),)
+                bar = best
+                continue
+            if bar >= top:
+                return (None,)
+            bar = floor + 2 * (bar - floor)
+
+    @staticmethod
+    def _states(order, most_g, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h, most_once, most_time,
+                step, most_step):
+        """Every layout with g at most `most_g` (less the constant) and a step at most
+        `most_step` within every row: its time, once-per-step work, fullest row and options
+        (per chunk in `order`); None past MAX_ENUMERATED."""
+        g, t, o, h = (np.zeros(1) for _ in range(4))
+        r = np.zeros((1, R[0].shape[1]))
+        picks = np.zeros((1, 0), dtype=np.int64)
+        for i, k in enumerate(order):
+            n, kept = len(G[k]), []
+            for lo in range(0, len(g), max(1, MAX_PAIRS // n)):     # (partial layouts x options) a block at a time
+                sl = slice(lo, lo + max(1, MAX_PAIRS // n))
+                t2 = (t[sl, None] + T[k][None, :]) + least_t[i + 1]
+                o2 = (o[sl, None] + O[k][None, :]) + least_o[i + 1]
+                idx = np.nonzero(((g[sl, None] + G[k][None, :]) + least_g[i + 1] <= within(most_g)).ravel()
+                                 & (step(t2, o2) <= within(most_step)).ravel()
+                                 & (o2 <= within(most_once)).ravel() & (t2 <= within(most_time)).ravel()
+                                 & ((h[sl, None] + H[k][None, :]) + least_h[i + 1] <= within(1.0)).ravel())[0]
+                a, b = idx // n + lo, idx % n
+                fits = (r[a] + R[k][b] + least_r[i + 1] <= within(1.0)).all(axis=1)
+                kept.append((a[fits], b[fits]))
+                if sum(len(x) for x, _ in kept) > MAX_ENUMERATED:
+                    return None
+            if not kept:
+                return np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, len(order)), dtype=np.int64)
+            a, b = np.concatenate([x for x, _ in kept]), np.concatenate([y for _, y in kept])
+            g, t, o, h, r = g[a] + G[k][b], t[a] + T[k][b], o[a] + O[k][b], h[a] + H[k][b], r[a] + R[k][b]
+            picks = np.hstack([picks[a], b[:, None]])
+        return t, o, r.max(axis=1, initial=0.0), picks
 
 
 @cache

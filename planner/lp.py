@@ -131,6 +131,7 @@ class Model:
         self.rows: list[tuple[str, Row]] = []
         self.objective = Lin()
         self.values: list[float] = []
+        self.row_duals: list[float] = []          # solve_highs(relax=True): each row's dual
 
     def add_variable(self, name: str, lo: float | None = None, hi: float | None = None, cat: str = "Continuous") -> Var:
         integer = cat in ("Integer", "Binary")
@@ -165,8 +166,10 @@ class Model:
         """Columns as PuLP hands them to a solver: sorted by name."""
         return sorted(self.columns, key=lambda v: v.name)
 
-    def solve_highs(self, time_limit: float | None, gap_rel: float) -> str:
-        """"optimal", "infeasible", "time limit" (a layout, not proven best) or HiGHS's status."""
+    def solve_highs(self, time_limit: float | None, gap_rel: float, relax: bool = False) -> str:
+        """"optimal", "infeasible", "time limit" (a layout, not proven best) or HiGHS's status.
+        `relax`: the linear relaxation (every column continuous), its rows' duals kept in
+        `row_duals` (in row order)."""
         import numpy as np
         import highspy
 
@@ -194,7 +197,7 @@ class Model:
         lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
         lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
-        lp.integrality_ = [highspy.HighsVarType.kInteger if v.integer else highspy.HighsVarType.kContinuous
+        lp.integrality_ = [highspy.HighsVarType.kInteger if v.integer and not relax else highspy.HighsVarType.kContinuous
                            for v in order]
         h = highspy.Highs()
         for key, val in (("output_flag", False), ("mip_rel_gap", gap_rel), ("mip_abs_gap", 0.0),
@@ -207,6 +210,7 @@ class Model:
         status = h.getModelStatus()
         S = highspy.HighsModelStatus
         col = list(h.getSolution().col_value)
+        self.row_duals = list(h.getSolution().row_dual) if relax else []
         self.values = [0.0] * len(self.columns)
         if len(col) == len(order):
             for k, v in enumerate(order):
