@@ -37,6 +37,8 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
+
 from .plan import MULTI_STAGE_SCHEDULES
 
 
@@ -213,7 +215,23 @@ def peak_moments(actions: list[tuple[str, int, int]], v: int, count_done: bool =
 @lru_cache(maxsize=256)
 def _peak_moments(actions: tuple, v: int, count_done: bool) -> tuple[Moment, ...]:
     distinct = list(dict.fromkeys(moments(list(actions), v, count_done)))
-    kept = [a for a in distinct if not any(b != a and b.covers(a) for b in distinct)]
+    # Moment.covers, for every pair at once: only moments of one action, chunk and gradients
+    # there can cover each other, and among those, one covers another where it holds at least
+    # as much of every count and follows the same backward, if the other follows one (a rank
+    # of a VP 5 pipeline of 64 micro-batches: 0.16 s pair by pair, 5 ms so; the same moments).
+    groups: dict[tuple, list[int]] = {}
+    for i, mo in enumerate(distinct):
+        groups.setdefault((mo.kind, mo.chunk, mo.grads_here), []).append(i)
+    covered = np.zeros(len(distinct), dtype=bool)
+    for members in groups.values():
+        counts = np.array([distinct[i].held + distinct[i].grads + distinct[i].done for i in members], dtype=np.int64)
+        after = np.array([-1 if distinct[i].after is None else distinct[i].after for i in members])
+        holds_all = (counts[:, None, :] >= counts[None, :, :]).all(axis=2)       # [a, b]: a holds all b does
+        follows = (after[None, :] == -1) | (after[:, None] == after[None, :])   # b follows none, or a's backward
+        covers = holds_all & follows
+        np.fill_diagonal(covers, False)
+        covered[members] = covers.any(axis=0)
+    kept = [mo for mo, c in zip(distinct, covered) if not c]
     return tuple(sorted(kept, key=lambda mo: (mo.chunk, mo.kind != "F", mo.grads_here)))
 
 
