@@ -172,23 +172,6 @@ def solve_listed(model: CostModel, cand: Candidate, choices: list[Choice], sizes
         # Below the fullest rank's work by more than the solver's feasibility tolerance
         # (1e-7 of a row), so that each round excludes it; values closer are the same work.
         w = max(once) - ONCE_STEP * max(1.0, max(once))
-        fullest = [p for p, o in enumerate(once) if o > w]
-        rest = [once[p] for p in range(len(ranks)) if p not in fullest]
-        if len(fullest) == 1 and rest and max(rest) < w:
-            # One rank does the most: while it does no less than the next, the others keep
-            # their layouts, and its layout that makes the step shortest beside them is one
-            # program, where the sweep would step through each of its layouts in between.
-            p = fullest[0]
-            alone = ranks[p].fastest(once[p], most_time, deadline,
-                                     (m, v, max(t for q, t in enumerate(times) if q != p), max(rest)))
-            if alone is not None:
-                status = "time limit" if alone.status == "time limit" else status
-            if alone is not None and alone.picks is not None:
-                mixed = [alone if q == p else f for q, f in enumerate(found)]
-                step = _step(model, cand, [f.time_ms for f in mixed], [f.once_ms for f in mixed])
-                if step < best[0]:
-                    best = (step, [f.picks for f in mixed])
-            w = max(rest) - ONCE_STEP * max(1.0, max(rest))
         found = [f if f.once_ms <= w else r.fastest(w, most_time, deadline) for r, f in zip(ranks, found)]
         if any(f is not None and f.once_ms > max(once) for f in found):
             break                    # (never seen: a solver that ignored the bound would loop)
@@ -312,15 +295,11 @@ class RankProgram:
                     points.append(p)
         return points
 
-    def fastest(self, most_once: float, most_time: float, deadline: float | None,
-                step_with: tuple | None = None) -> RankFound | None:
+    def fastest(self, most_once: float, most_time: float, deadline: float | None) -> RankFound | None:
         """The rank's fastest layout within the memory limit doing at most `most_once` once per
         step and taking at most `most_time` a micro-batch (ms); None where there is none.
-        `step_with` (m, v, slowest, fullest): instead, its layout that makes the step shortest
-        beside the other ranks' layouts, the slowest of them taking `slowest` a micro-batch
-        and the fullest doing `fullest` once per step (CostModel.pipeline_step_s, less the
-        other ranks' share of the stages' total, which this layout does not change). Status
-        "time limit" with no picks where the deadline came first."""
+        Status "time limit" with no picks where the deadline came first (HiGHS's branch and
+        bound, where the enumeration (_enumerate) gave up)."""
         prob = lp.Model("rank")
         # z[k][j]: the rank's chunk k takes its option kept[k][j]
         z = [[prob.add_variable(f"z_c{k:03d}_o{j:05d}", cat="Binary") for j in range(len(kept))]
@@ -343,17 +322,9 @@ class RankProgram:
             prob += once_ms <= most_once, "once_per_step_within_bound"
         if most_time < math.inf:
             prob += time_ms <= most_time, "time_within_cutoff"
-        if step_with is None:
-            prob += time_ms, "time_per_micro_batch"
-        else:
-            m, v, slowest, fullest = step_with
-            tau = prob.add_variable("tau", slowest)          # the slowest rank's time per micro-batch (ms)
-            omega = prob.add_variable("omega", fullest)      # the fullest rank's once-per-step work (ms)
-            prob += tau >= time_ms, "tau_at_least_this_rank"
-            prob += omega >= once_ms, "omega_at_least_this_rank"
-            prob += CostModel.pipeline_step_s(m, v, time_ms, tau, omega), "step_time_beside_the_others"
+        prob += time_ms, "time_per_micro_batch"
         if self.solver == "highs" and self.limit is not None:
-            listed = self._enumerate(prob, most_once, most_time, step_with)
+            listed = self._enumerate(prob, most_once, most_time)
             if listed is not None:
                 return listed[0]
         left = None if deadline is None else max(0.0, deadline - time.perf_counter())
@@ -369,21 +340,21 @@ class RankProgram:
         return RankFound(status, picks, sum(float(x.time_ms[j]) for x, j in zip(self.options, picks)),
                          sum(float(x.once_ms[j]) for x, j in zip(self.options, picks)))
 
-    def _enumerate(self, prob: lp.Model, most_once: float, most_time: float,
-                   step_with: tuple | None) -> tuple[RankFound | None] | None:
+    def _enumerate(self, prob: lp.Model, most_once: float, most_time: float) -> tuple[RankFound | None] | None:
         """The program's optimum without branch and bound, or None where its enumeration would
         hold more than MAX_ENUMERATED partial layouts (the MILP then decides): (RankFound,) or
         (None,) where no layout is within the rows.
 
-        The linear relaxation's row duals give multipliers lam >= 0 (and, for `step_with`,
-        shares a, b in [0, 1]); with them every layout within the rows has
-            step >= g = sum over chunks of g_k(option) + const
-        (each row's slack times its multiplier is >= 0; max(x, y) >= a x + (1 - a) y), and g is a
-        sum of one term per chunk. So every layout better than a step U has g < U: the layouts
-        with g and step at most U are listed chunk by chunk (a partial one kept only while it
-        can still meet every row, g and the step), each checked exactly, and the best of them is
-        the optimum. U starts just above the least g and doubles its distance from it until a
-        layout is found (or U passes every layout's step: none fits)."""
+        The linear relaxation's row duals give multipliers lam >= 0; with them every layout
+        within the rows takes
+            time >= g = sum over chunks of g_k(option) + const
+        (each row's slack times its multiplier is >= 0), one term per chunk. So every layout
+        faster than U has g < U: the layouts with g and time at most U are listed chunk by
+        chunk (a partial one kept only while it can still meet every row, g and U), each
+        checked exactly, and the fastest of them is the optimum. U starts just above the least
+        g and doubles its distance from it until a layout is found (or passes every layout's
+        time: none fits). Any lam >= 0 would make g a bound; the duals make its least the
+        relaxation's, so few layouts are listed."""
         with _no_banner():
             relaxed = prob.solve_highs(None, 0.0, relax=True)
         if relaxed != "optimal":
@@ -400,53 +371,33 @@ class RankProgram:
         lam_time = dual.get("time_within_cutoff", 0.0) if most_time < math.inf else 0.0
         const = -lam.sum() - lam_host * (self.host_limit is not None) - lam_once * (most_once if lam_once else 0.0) \
             - lam_time * (most_time if lam_time else 0.0)
-        if step_with is None:
-            def step(t, o):
-                return t
-            per_time, per_once = 1.0, 0.0
-        else:
-            m, v, slowest, fullest = step_with
-            a = min(1.0, dual.get("tau_at_least_this_rank", 0.0) / (m - 1 / v))
-            b = min(1.0, dual.get("omega_at_least_this_rank", 0.0))
-            per_time, per_once = 1 / v + (m - 1 / v) * a, b
-            const += (m - 1 / v) * (1 - a) * slowest + (1 - b) * fullest
-
-            def step(t, o):
-                return CostModel.pipeline_step_s(m, v, t, np.maximum(slowest, t), np.maximum(fullest, o))
-        G = [(per_time + lam_time) * t + (per_once + lam_once) * o + r @ lam + lam_host * h for t, o, r, h in zip(T, O, R, H)]
+        G = [(1 + lam_time) * t + lam_once * o + r @ lam + lam_host * h for t, o, r, h in zip(T, O, R, H)]
         order = sorted(range(len(T)), key=lambda k: len(T[k]))        # the chunk of most options last
         K = len(order)
         least = lambda arrays: [sum(arrays[k].min(axis=0) for k in order[i:]) for i in range(K + 1)]  # noqa: E731
         least_g, least_t, least_o, least_r, least_h = (least(x) for x in (G, T, O, R, H))
         floor = least_g[0] + const
-        top = float(step(sum(x.max() for x in T), sum(x.max() for x in O)))     # no layout takes longer
+        top = sum(float(x.max()) for x in T)          # no layout takes longer
         bar = floor + max(1e-9, 1e-6 * abs(floor))
         while True:
             states = self._states(order, bar - const, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h,
-                                  most_once, most_time, step, bar)
+                                  most_once, min(most_time, bar))
             if states is None:
                 return None
             t, o, fullest_row, picks = states
             if len(t):
-                value = step(t, o)
-                best = float(value.min())
-                if best <= bar:
-                    # ties (to a nanosecond) to less once-per-step work, then the lower peak
-                    j = int(np.lexsort((fullest_row, o, np.round(value, 6)))[0])
-                    return (self._found("optimal", [self.kept[k][int(picks[j, i])] for k, i in
-                                                    sorted(zip(order, range(K)))]),)
-                bar = best
-                continue
+                # ties (to a nanosecond) to less once-per-step work, then the lower peak
+                j = int(np.lexsort((fullest_row, o, np.round(t, 6)))[0])
+                return (self._found("optimal", [self.kept[k][int(picks[j, i])] for k, i in sorted(zip(order, range(K)))]),)
             if bar >= top:
                 return (None,)
             bar = floor + 2 * (bar - floor)
 
     @staticmethod
-    def _states(order, most_g, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h, most_once, most_time,
-                step, most_step):
-        """Every layout with g at most `most_g` (less the constant) and a step at most
-        `most_step` within every row: its time, once-per-step work, fullest row and options
-        (per chunk in `order`); None past MAX_ENUMERATED."""
+    def _states(order, most_g, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h, most_once, most_time):
+        """Every layout with g at most `most_g` (less the constant) within every row: its
+        time, once-per-step work, fullest row and options (per chunk in `order`); None past
+        MAX_ENUMERATED."""
         g, t, o, h = (np.zeros(1) for _ in range(4))
         r = np.zeros((1, R[0].shape[1]))
         picks = np.zeros((1, 0), dtype=np.int64)
@@ -457,7 +408,6 @@ class RankProgram:
                 t2 = (t[sl, None] + T[k][None, :]) + least_t[i + 1]
                 o2 = (o[sl, None] + O[k][None, :]) + least_o[i + 1]
                 idx = np.nonzero(((g[sl, None] + G[k][None, :]) + least_g[i + 1] <= within(most_g)).ravel()
-                                 & (step(t2, o2) <= within(most_step)).ravel()
                                  & (o2 <= within(most_once)).ravel() & (t2 <= within(most_time)).ravel()
                                  & ((h[sl, None] + H[k][None, :]) + least_h[i + 1] <= within(1.0)).ravel())[0]
                 a, b = idx // n + lo, idx % n
