@@ -286,14 +286,17 @@ class RankProgram:
         """Without memory rows: every (time per micro-batch, once-per-step work, options) of
         the rank that no other beats in both, fastest first: each chunk's such options, summed
         chunk by chunk and pruned to the same frontier."""
-        points = [(0.0, 0.0, [])]
+        t, o, picks = np.zeros(1), np.zeros(1), np.zeros((1, 0), dtype=np.int64)
         for x, kept in zip(self.options, self.kept):
-            summed = [(t + x.time_ms[j], o + x.once_ms[j], picks + [j]) for t, o, picks in points for j in kept]
-            points = []
-            for p in sorted(summed, key=lambda p: (p[0], p[1])):
-                if not points or p[1] < points[-1][1]:
-                    points.append(p)
-        return points
+            kept = np.asarray(kept)
+            t = (t[:, None] + x.time_ms[kept][None, :]).ravel()              # (points x options,)
+            o = (o[:, None] + x.once_ms[kept][None, :]).ravel()
+            picks = np.hstack([np.repeat(picks, len(kept), axis=0), np.tile(kept, len(picks))[:, None]])
+            order = np.lexsort((o, t))                                       # fastest first, then least work
+            least_before = np.concatenate([[np.inf], np.minimum.accumulate(o[order])[:-1]])
+            order = order[o[order] < least_before]                           # less work than every faster one
+            t, o, picks = t[order], o[order], picks[order]
+        return [(float(a), float(b), [int(j) for j in row]) for a, b, row in zip(t, o, picks)]
 
     def fastest(self, most_once: float, most_time: float, deadline: float | None) -> RankFound | None:
         """The rank's fastest layout within the memory limit doing at most `most_once` once per
@@ -378,7 +381,7 @@ class RankProgram:
         least_g, least_t, least_o, least_r, least_h = (least(x) for x in (G, T, O, R, H))
         floor = least_g[0] + const
         top = sum(float(x.max()) for x in T)          # no layout takes longer
-        bar = floor + max(1e-9, 1e-6 * abs(floor))
+        bar = floor + max(1e-9, 1e-4 * abs(floor))
         while True:
             states = self._states(order, bar - const, G, T, O, R, H, least_g, least_t, least_o, least_r, least_h,
                                   most_once, min(most_time, bar))
