@@ -454,11 +454,15 @@ def _unit_rows(fn, v: int) -> list[np.ndarray]:
 
 def _undominated(x: np.ndarray) -> list[int]:
     """Indices of the rows of x (options x figures, lower is better) that no other row beats
-    or equals in every figure (of equal rows, the first), in order."""
-    order = np.lexsort(tuple(x[:, q] for q in reversed(range(x.shape[1]))))
-    kept: list[int] = []
-    for j in order:
-        if kept and np.all(x[kept] <= x[j], axis=1).any():
-            continue
-        kept.append(int(j))
-    return sorted(kept)
+    or equals in every figure (of equal rows, the first), in order. Dominance is transitive,
+    so a row is dropped where any other does (an equal one only from before it), compared a
+    block of rows at a time in numpy."""
+    n = len(x)
+    dominated = np.zeros(n, dtype=bool)
+    for lo in range(0, n, 256):
+        block = x[lo:lo + 256]
+        covers = (block[:, None, :] <= x[None, :, :]).all(axis=2)              # [i, j]: row lo + i <= row j
+        ahead = (block[:, None, :] != x[None, :, :]).any(axis=2) | (np.arange(lo, lo + len(block))[:, None]
+                                                                      < np.arange(n)[None, :])
+        dominated |= (covers & ahead).any(axis=0)
+    return [int(j) for j in np.nonzero(~dominated)[0]]
