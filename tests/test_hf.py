@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 
