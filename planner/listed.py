@@ -405,7 +405,7 @@ class RankProgram:
         r = np.zeros((1, R[0].shape[1]))
         picks = np.zeros((1, 0), dtype=np.int64)
         for i, k in enumerate(order):
-            n, kept = len(G[k]), []
+            n, kept, listed = len(G[k]), [], 0
             for lo in range(0, len(g), max(1, MAX_PAIRS // n)):     # (partial layouts x options) a block at a time
                 sl = slice(lo, lo + max(1, MAX_PAIRS // n))
                 t2 = (t[sl, None] + T[k][None, :]) + least_t[i + 1]
@@ -416,7 +416,8 @@ class RankProgram:
                 a, b = idx // n + lo, idx % n
                 fits = (r[a] + R[k][b] + least_r[i + 1] <= within(1.0)).all(axis=1)
                 kept.append((a[fits], b[fits]))
-                if sum(len(x) for x, _ in kept) > MAX_ENUMERATED:
+                listed += int(fits.sum())
+                if listed > MAX_ENUMERATED:
                     return None
             if not kept:
                 return np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, len(order)), dtype=np.int64)

@@ -559,6 +559,17 @@ class StageSizeSearch:
         # its floor's: pushed with its layers' fastest times, refined when it comes first)
         heap = [(key(S, 0, 0.0, 0.0, 0.0), (), 0.0, 0.0, 0.0, None)]
         floor_at: dict = {}            # (s, a, b) -> the stage's fastest time within its floor, its once-per-step floor then
+
+        def refined(span: tuple, total: float, t0: float, slowest: float, once: float) -> tuple | None:
+            """(sum T, max T, max O) of a vector whose last stage, `span`, was counted at its
+            layers' fastest time t0 in `total`, with that stage at its floor's time instead;
+            None where no layout of the stage is within its floor."""
+            if span not in floor_at:
+                t = self.fastest_stage_s(*span)
+                floor_at[span] = (t, self.stage_floor(*span).once_s(t) if t < math.inf else math.inf)
+            t, t_once = floor_at[span]
+            return None if t == math.inf else (total - t0 + t, max(slowest, t), max(once, t_once))
+
         expanded = 0
         while heap:                    # (hundreds of thousands of steps on the 405B shape: kept lean)
             bound, sizes, total, slowest, once, rough = heapq.heappop(heap)
@@ -566,14 +577,8 @@ class StageSizeSearch:
                 return
             s, a = len(sizes), sum(sizes)
             if rough is not None:
-                span = (s - 1, *rough)
-                if span not in floor_at:
-                    t = self.fastest_stage_s(*span)
-                    floor_at[span] = (t, self.stage_floor(*span).once_s(t) if t < math.inf else math.inf)
-                t, t_once = floor_at[span]
-                if t < math.inf:
-                    t0 = rest[rough[0]] - rest[rough[1] + 1]
-                    child = (total - t0 + t, max(slowest, t), max(once, t_once))
+                child = refined((s - 1, *rough), total, rest[rough[0]] - rest[rough[1] + 1], slowest, once)
+                if child is not None:
                     k = key(S - s, a, *child)
                     if k <= bar():
                         heapq.heappush(heap, (k, sizes, *child, None))
@@ -591,14 +596,12 @@ class StageSizeSearch:
                 t0 = rest[a] - rest[b + 1]
                 if (m - 1) * max(slowest, t0) + total > most:
                     break                          # longer stages only take longer
-                known = floor_at.get((s, a, b))
-                if known is not None:
+                if (s, a, b) in floor_at:
                     # Its floor is known (another prefix reached it): pushed as it would be
                     # refined, the same sums in the same order, not pushed and popped twice
                     # (the 405B shape's pp 16 candidates: 29,000 refinements a search -> 9,600).
-                    t, t_once = known
-                    if t < math.inf:
-                        child = (total + t0 - t0 + t, max(slowest, t), max(once, t_once))
+                    child = refined((s, a, b), total + t0, t0, slowest, once)
+                    if child is not None:
                         k = key(stages_left, b + 1, *child)
                         if k <= most:
                             heapq.heappush(heap, (k, sizes + (b - a + 1,), *child, None))
