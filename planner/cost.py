@@ -379,31 +379,27 @@ class CostModel:
         return fwd_s * s.sac_recompute_s / s.fwd_s
 
     def busy_ranks(self, cand: Candidate) -> list[float]:
-        """How many of the node's ranks work at once in each slot of a step (CPU processes,
-        which share the node's cores). A pipeline's ranks are not all busy at once: in each of
-        the step's m + pp - 1 slots (stages of equal time), min(k + 1, pp, m, m + pp - 1 - k)
-        stages of each pipeline work, dp x tp ranks each. With v stages a rank the slots are a
-        chunk's, m v + pp - 1 of them, so ranks are busy together more of the step (the
-        interleaved pipeline's smaller bubble). Without pipelining every rank, every slot."""
+        """How many of the node's ranks work at once in each slot of a step (busy_per_slot)."""
         m, pp = cand.num_micro_batches * cand.virtual_stages, cand.pp
         key = ("busy", m, pp, cand.world_size)
         if key not in self._cache:
-            ranks = min(cand.world_size, self.gpus_per_node)
-            slots = m + pp - 1
-            per_stage = ranks / pp                # ranks of one stage on the node (dp x tp)
-            self._cache[key] = [min(k + 1, pp, m, slots - k) * per_stage for k in range(slots)]
+            self._cache[key] = busy_per_slot(m, pp, min(cand.world_size, self.gpus_per_node))
         return self._cache[key]
 
     def compute_scale(self, cand: Candidate) -> float:
         """How much slower a rank computes than the profile measured (one process alone), on
-        CPU processes that share the node's cores: ranks beyond the cores that run at full
-        speed at once (host_cores) share them; the mean over the step's slots (busy_ranks) of
-        max(1, busy ranks / cores). On GPUs ranks share no cores (1)."""
+        CPU processes that share the node's cores (contention_scale over busy_ranks, with the
+        cores that run at full speed at once: host_cores). On GPUs ranks share no cores (1)."""
         if self.hw.device_type != "cpu":
             return 1.0
-        busy = self.busy_ranks(cand)
-        cores = min(min(cand.world_size, self.gpus_per_node), self.hw.host_cores)
-        return sum(max(1.0, b / cores) for b in busy) / len(busy)
+        return contention_scale(self.busy_ranks(cand), min(min(cand.world_size, self.gpus_per_node), self.hw.host_cores))
+
+    def cores_full_share(self, cand: Candidate) -> float:
+        """The share of the step's slots in which the busy ranks fill the node's cores (CPU
+        processes; cores_full_share over busy_ranks); 0 on GPUs, whose ranks share no cores."""
+        if self.hw.device_type != "cpu":
+            return 0.0
+        return cores_full_share(self.busy_ranks(cand), self.hw.host_cores)
 
     def collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None = None) -> tuple[float, float]:
         """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
@@ -534,12 +530,18 @@ class CostModel:
         pipeline boundary the activation sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
         the gradient collectives that half the backward may hide."""
         lat, per_byte = self.collective_terms("send_recv", 2, cand, span=cand.dp * cand.tp * 2) if cand.pp > 1 else (0.0, 0.0)
-        if self.hw.pipeline_overhead_s > 0:
+        if self.hw.pipeline_overhead_s > 0 or self.hw.pipeline_contention_s > 0:
             # Measured (plan calibrate), per action: every stage of a pipeline runs a forward and
             # a backward a micro-batch, at either end as in the middle; the small send's and
             # receive's latency is in it. (Counted per boundary it gave the end stages half of
-            # theirs, and the CPU time bench's pipelines were 5-35% under their runs.)
-            fixed = 2 * self.hw.pipeline_overhead_s if boundaries else 0.0
+            # theirs, and the CPU time bench's pipelines were 5-35% under their runs.) On CPU
+            # processes, an action in a slot whose busy ranks fill the cores also waits for a
+            # core, woken by its receive while they compute (pipeline_contention_s, calibrated
+            # likewise; bench/pipeline_contention.py: the MLP's pp 4 took 12 ms a step for one
+            # micro-batch and 24, 39 and 68 for 2, 4 and 8, where the model without it said 14,
+            # 21 and 37): so much in each slot where it is so, however many ranks are busy.
+            per_action = self.hw.pipeline_overhead_s + self.hw.pipeline_contention_s * self.cores_full_share(cand)
+            fixed = 2 * per_action if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back
         return TimeTerms(per_micro_batch=layers_s + loss_s + fixed + 2 * sent_bytes * per_byte,
@@ -674,6 +676,29 @@ def rank_total(stages: list[StagePrediction]) -> StagePrediction:
     parts = {k: sum(p.parts[k] for p in stages) for k in stages[0].parts}
     return StagePrediction(stages[0].index, [i for p in stages for i in p.layers], stages[0].memory,
                            sum(p.micro_batch_s for p in stages), sum(p.step_extra_s for p in stages), parts)
+
+
+def busy_per_slot(m: int, pp: int, ranks: int) -> list[float]:
+    """How many of a node's `ranks` work at once in each slot of a step (CPU processes, which
+    share the node's cores). A pipeline's ranks are not all busy at once: in each of the step's
+    m + pp - 1 slots (stages of equal time), min(k + 1, pp, m, m + pp - 1 - k) stages of each
+    pipeline work, ranks / pp each. With v stages a rank, pass m v: the slots are a chunk's, so
+    ranks are busy together more of the step (the interleaved pipeline's smaller bubble).
+    Without pipelining (pp 1) every rank, every slot."""
+    slots = m + pp - 1
+    return [min(k + 1, pp, m, slots - k) * ranks / pp for k in range(slots)]
+
+
+def contention_scale(busy: list[float], cores: float) -> float:
+    """How much slower ranks run than alone where `busy[k]` of them work in slot k and `cores`
+    run at full speed at once: the mean over the slots of max(1, busy / cores)."""
+    return sum(max(1.0, b / cores) for b in busy) / len(busy)
+
+
+def cores_full_share(busy: list[float], cores: float) -> float:
+    """The share of the slots in which `busy[k]` ranks fill the `cores` that run at full speed
+    at once: a rank woken then must wait for one."""
+    return sum(b >= cores for b in busy) / len(busy)
 
 
 def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes: float, zero: int, dp: int) -> float:

@@ -81,13 +81,15 @@ _FIELD_KINDS: dict[str, str] = {
     "attention_efficiency": "fraction",
     "memory_efficiency": "fraction",
     "pipeline_overhead_s": "seconds",
+    "pipeline_contention_s": "seconds",
 }
-_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s"}
+_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s", "pipeline_contention_s"}
 # Fields a cluster file without a base may leave out, and what they then are: rates at the
 # datasheet's peak, collectives hidden behind compute (the assumptions before they existed).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "host_cores": 64.0, "collective_overlap": 1.0, "matmul_efficiency": 1.0, "matmul_knee": 1,
     "attention_efficiency": 1.0, "memory_efficiency": 1.0, "pipeline_overhead_s": 0.0,
+    "pipeline_contention_s": 0.0,
 }
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _INT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("size", "count"))
@@ -173,6 +175,7 @@ class Hardware:
     attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
     pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
+    pipeline_contention_s: float = 0.0  # CPU processes: what each action adds in a slot whose busy ranks fill the cores (a woken stage waits for one)
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 
@@ -538,6 +541,8 @@ _OVERLAP_GPU = ("assumption, not yet measured: NCCL runs on its own CUDA streams
                 "will measure it")
 _PIPE_GPU = ("not measured on a GPU yet (0): the schedule's per-micro-batch bookkeeping is then left to the "
              "send latency of the link figures; `plan calibrate --device cuda` will measure it")
+_CONTENTION_GPU = ("not applicable (0): GPU ranks do not share cores; a pipeline stage woken by its receive "
+                   "waits for no other rank's compute")
 _HBM_EFF = ("engineering estimate: streaming copies reach about 90% of the HBM datasheet figure on Ampere "
             "and Hopper parts (a 4 GiB device copy is a typical measurement); `plan calibrate --device cuda` "
             "measures it")
@@ -594,6 +599,7 @@ def _hopper_sources(gpu: str, ds: str, memory_src: str, hbm_src: str, bf16_src: 
         "attention_efficiency": _FA3,
         "memory_efficiency": _HBM_EFF,
         "pipeline_overhead_s": _PIPE_GPU,
+        "pipeline_contention_s": _CONTENTION_GPU,
     }
 
 
@@ -628,6 +634,7 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
         "attention_efficiency": _FA2,
         "memory_efficiency": _HBM_EFF,
         "pipeline_overhead_s": _PIPE_GPU,
+        "pipeline_contention_s": _CONTENTION_GPU,
     }
 
 
@@ -806,6 +813,7 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "engineering estimate: FlashAttention-2 on Ada parts, 0.5 assumed (A100: 0.6)",
             "memory_efficiency": _HBM_EFF,
             "pipeline_overhead_s": _PIPE_GPU,
+            "pipeline_contention_s": _CONTENTION_GPU,
         },
     ),
     "cpu": Hardware(
@@ -826,7 +834,8 @@ PRESETS: dict[str, Hardware] = {
         cpu_adam_params_per_s=1e+09,
         host_cores=1.91,
         collective_overlap=0.0,
-        pipeline_overhead_s=0.00101,
+        pipeline_overhead_s=0.000929,
+        pipeline_contention_s=0.000718,
         collectives=_CPU_COLLECTIVES,
         sources={
             "name": "preset for plans executed as CPU processes with gloo (tests, a 2-core dev machine)",
@@ -864,7 +873,14 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "not used on CPU: layers are timed where they run",
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
             "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
-                                    "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot)"),
+                                    "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot); "
+                                    "2026-12-04, the run of bench/time_fidelity.py's table (1.01 ms on 2026-12-01)"),
+            "pipeline_contention_s": (f"{_CPU_MEASURED}, the same run: the same schedule over stages of two "
+                                      "256-1024-256 MLPs on 4 rows (1.82 ms forward and backward alone, step 64.7 ms), "
+                                      "timed in turns with it; (slot - alone x contention scale) / 2 - "
+                                      "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
+                                      "(calibrate.pipeline_contention_s; 0-1.5 ms in nine runs that day, 0.45-1.5 but one: "
+                                      "the figure is as noisy as this VM)"),
         },
     ),
 }

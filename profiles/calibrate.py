@@ -222,7 +222,19 @@ def fit_collectives(rows: list[dict]) -> list[CollectiveFit]:
     return fits
 
 
-def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repeats: int, queue) -> None:
+# A stage of the loaded pipeline: about two milliseconds of one thread's forward and backward
+# on the 2-core VM (1.4-2.7 ms from run to run), as small layers' stages are (the MLP
+# example's 2-3 blocks of a micro-batch of 4 take 1-1.5 ms).
+LOADED_WIDTH, LOADED_ROWS = 256, 4
+
+
+def _loaded_stage():
+    import torch.nn as nn
+    w = LOADED_WIDTH
+    return nn.Sequential(*[nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(2)])
+
+
+def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repeats: int, rounds: int, queue) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -231,38 +243,77 @@ def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repea
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    stage = PipelineStage(nn.Linear(16, 16), rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.sum())
-    x = torch.randn(micro_batches, 16)
+    loaded = _loaded_stage()
+    # The loaded stage's forward and backward alone, one rank at a time (the others wait).
+    x1 = torch.randn(LOADED_ROWS, LOADED_WIDTH, requires_grad=True)
+    alone = 0.0
+    for r in range(world):
+        dist.barrier()
+        if r == rank:
+            alone = median_time(lambda: loaded(x1).sum().backward(), repeats=40, warmup=5)
+    dist.barrier()
 
-    def step():
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=x, losses=[])
-        else:
-            schedule.step()
+    def stepper(module, width, rows):
+        schedule = Schedule1F1B(PipelineStage(module, rank, world, torch.device("cpu")), micro_batches,
+                                loss_fn=lambda out, target: out.sum())
+        x = torch.randn(micro_batches * rows, width)
 
-    t = torch.tensor([_time_in_step(step, lambda: None, dist.barrier, repeats, rounds=1)], dtype=torch.float64)
+        def step():
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=x, losses=[])
+            else:
+                schedule.step()
+        return step
+    idle, busy = stepper(nn.Linear(16, 16), 16, 1), stepper(loaded, LOADED_WIDTH, LOADED_ROWS)
+    times = []
+    for _ in range(rounds):            # interleaved, so that the machine's drift hits both alike
+        times.append([_time_in_step(step, lambda: None, dist.barrier, repeats, rounds=1) for step in (idle, busy)])
+    t = torch.tensor([statistics.median(col) for col in zip(*times)] + [alone], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put(t.item())
+        queue.put(tuple(t.tolist()))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_pipeline_overhead(processes: int, micro_batches: int = 8, repeats: int = 10) -> float:
-    """Seconds per micro-batch and action (a stage's forward or its backward) that a pipeline
-    costs beside its compute and its transfers' bytes: a 1F1B schedule over `processes` stages
-    of a 16 x 16 linear layer; its step is (m + pp - 1) slots, each a stage's forward and
-    backward, so the figure is step / (m + pp - 1) / 2."""
+def measure_pipeline(processes: int, cores: float, micro_batches: int = 8, repeats: int = 10,
+                     rounds: int = 5) -> tuple[float, float, float, float]:
+    """A pipeline's overhead per micro-batch and action (a stage's forward or its backward)
+    beside its compute and its transfers' bytes, and what each action adds in a slot whose busy
+    ranks fill the cores: (pipeline_overhead_s, pipeline_contention_s, the loaded step, its
+    stage alone).
+    Two 1F1B schedules over `processes` stages, timed in turns: one of a 16 x 16 linear layer
+    (no compute to speak of, the cores free: its step is m + pp - 1 slots of a forward and a
+    backward, so the overhead is step / (m + pp - 1) / 2), and one of _loaded_stage, solved for
+    the contention by pipeline_contention_s."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, queue), nprocs=processes, join=True)
-    step = queue.get()
-    return step / (micro_batches + processes - 1) / 2
+    mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, rounds, queue),
+             nprocs=processes, join=True)
+    idle_step, step, alone = queue.get()
+    overhead = idle_step / (micro_batches + processes - 1) / 2
+    return overhead, pipeline_contention_s(step, alone, micro_batches, processes, cores, overhead), step, alone
+
+
+def pipeline_contention_s(step: float, alone: float, m: int, pp: int, cores: float, idle_overhead_s: float) -> float:
+    """The cost model takes a slot of a pipeline of `pp` CPU processes (one stage each) as the
+    stage's compute alone x contention_scale (its busy ranks over `cores`) + 2 actions of
+    idle_overhead_s, + 2 x pipeline_contention_s in the share of slots whose busy ranks fill
+    the cores (cores_full_share); this solves that for pipeline_contention_s from a measured
+    step of m micro-batches (m + pp - 1 slots). A stage woken by its receive while the other
+    ranks compute waits for a core."""
+    from planner.cost import busy_per_slot, contention_scale, cores_full_share
+
+    busy = busy_per_slot(m, pp, pp)
+    share = cores_full_share(busy, cores)
+    if share == 0.0:
+        return 0.0                                   # the cores run every stage at once: nothing waits
+    slot = step / (m + pp - 1)
+    return max(0.0, ((slot - alone * contention_scale(busy, min(pp, cores))) / 2 - idle_overhead_s) / share)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,10 +488,19 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         on_progress(f"collectives in {count} processes")
         rows += measure_collectives(count, device)
     if device == "cpu":
-        on_progress(f"a pipeline of {max(processes)} stages")
-        put("pipeline_overhead_s", measure_pipeline_overhead(max(processes)),
-            f"a 1F1B schedule over {max(processes)} stages of a 16x16 linear layer, 8 micro-batches: "
+        most = max(processes)
+        on_progress(f"pipelines of {most} stages")
+        idle, contention, step, alone = measure_pipeline(most, fields["host_cores"])
+        put("pipeline_overhead_s", idle,
+            f"a 1F1B schedule over {most} stages of a 16x16 linear layer, 8 micro-batches: "
             "step / (m + pp - 1) / 2 actions (a forward and a backward a slot)")
+        put("pipeline_contention_s", contention,
+            f"the same schedule with stages of two {LOADED_WIDTH}-{4 * LOADED_WIDTH}-{LOADED_WIDTH} MLPs on "
+            f"{LOADED_ROWS} rows ({alone * 1e3:.2f} ms forward and backward alone; step {step * 1e3:.1f} ms), "
+            "timed in turns with it: (slot - alone x contention scale) / 2 - pipeline_overhead_s, over the share of "
+            "slots whose busy ranks fill the cores")
+        notes.append(f"a pipeline action: {idle * 1e3:.2f} ms with the cores free, "
+                     f"+ {contention * 1e3:.2f} ms where the busy ranks fill them")
     fits = fit_collectives(rows)
     for f in fits:
         notes.append(f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s "
