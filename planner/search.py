@@ -583,6 +583,14 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
         on_progress(len(bounded), len(bounded))
     if not result.solutions and misses:
         result.closest = closest_miss(model, opts, misses)
+    measured = max(profile.batch_sizes)
+    if profile.method == "measured" and result.solutions and result.solutions[0].candidate.micro_batch_size > measured:
+        b = result.solutions[0].candidate.micro_batch_size
+        # bench/pipeline_contention.py: the MLP's one micro-batch of 16, its sub-millisecond
+        # layers extended from 1, 2 and 4, was predicted 60-85% slower than it ran.
+        result.notes.append(f"the best layout's micro-batch of {b} is beyond the profiled sizes (up to {measured}): its "
+                            f"layer times are extended along a line through them; profile with --batch-sizes "
+                            f"{','.join(map(str, sorted(set(profile.batch_sizes) | {b})))} to measure it")
     return result
 
 

@@ -641,6 +641,18 @@ def test_seeded_cutoff_lists_its_seeds_when_the_solver_runs_out_of_time():
     assert any("even split" in note for note in result.notes)
 
 
+def test_a_micro_batch_beyond_the_profiled_sizes_is_said_so_with_the_flag_that_measures_it():
+    """Layer times past the largest profiled micro-batch are a line through the measured ones:
+    where the best layout takes such a micro-batch, the solve says so and how to measure it."""
+    prof = random_profile(random.Random(5), 4)
+    one = dict(gpus=1, hardware=cpu_like(1 << 40), offload="none", top_k=1)
+    beyond = search(prof, SolveOptions(global_batch=16, micro_batch=16, **one))
+    assert beyond.solutions[0].candidate.micro_batch_size == 16
+    assert any("beyond the profiled sizes (up to 4)" in n and "--batch-sizes 1,2,4,16" in n for n in beyond.notes)
+    within = search(prof, SolveOptions(global_batch=16, micro_batch=4, **one))
+    assert not any("beyond the profiled sizes" in n for n in within.notes)
+
+
 def test_tensor_parallel_degree_divides_the_head_counts():
     """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
     from planner.search import SolveError, check_options
