@@ -1,0 +1,88 @@
+"""Pipelines whose ranks share the cores: predicted with and without the calibrated contention.
+
+On 4 CPU processes over 2 cores a pipeline's slots grow with the ranks busy at once, not with
+the work: a stage woken by its receive waits for a core that another rank's compute holds. This
+runs examples/mlp.py (whose stages compute 1-2 ms a micro-batch, so the waits show most) as
+pp 4 with 1, 2, 4 and 8 micro-batches of 4 samples (GPipe; 1F1B for 4 and 8) and one micro-batch of 16,
+each `--runs` times, interleaved, and prints the measured step beside the cost model's
+prediction with the calibrated `pipeline_contention_s` and with it set to 0 (the model before
+it). Like bench/time_fidelity.py it calibrates this machine first, unless `--hardware` names a
+preset or cluster file.
+
+    python bench/pipeline_contention.py [--runs 3] [--hardware FILE]   # writes bench/results/pipeline_contention.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fidelity import Case, stages_for  # noqa: E402
+from time_fidelity import calibrate_here, profile, run  # noqa: E402
+from planner.build import build_plan  # noqa: E402
+from planner.cost import Candidate, CostModel  # noqa: E402
+from planner.hardware import get_hardware  # noqa: E402
+from planner.search import Solution, SolveOptions  # noqa: E402
+
+GRID = [Case(f"pp4 b4x{m} gpipe", pp=4, b=4, m=m, schedule="gpipe") for m in (1, 2, 4, 8)] \
+    + [Case(f"pp4 b4x{m} 1f1b", pp=4, b=4, m=m) for m in (4, 8)] \
+    + [Case("pp4 b16x1 gpipe", pp=4, b=16, m=1, schedule="gpipe")]       # (1F1B needs m >= pp)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--hardware", default=None, help="preset or cluster file (default: calibrate this machine first)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        hw = get_hardware(args.hardware or str(calibrate_here(work)))
+        before = dataclasses.replace(hw, pipeline_contention_s=0.0)
+        prof, prof_path = profile("mlp", work)
+        with_it, without = CostModel(prof, hw, 8, hw.usable_memory_bytes()), CostModel(prof, before, 8, hw.usable_memory_bytes())
+        plans = []
+        for case in GRID:
+            cand = Candidate(1, 1, case.pp, case.b, case.m, 0, case.schedule, False, False)
+            stages = stages_for(prof.n_layers, case)
+            pred = with_it.evaluate(cand, stages)
+            opts = SolveOptions(gpus=4, hardware=hw, global_batch=case.b * case.m)
+            path = work / f"{case.name.replace(' ', '_')}.json"
+            build_plan(Solution(cand, stages, pred), [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(),
+                       str(path)).save(path)
+            plans.append((case, path, pred.step_s, without.evaluate(cand, stages).step_s))
+        measured = {case.name: [] for case, *_ in plans}
+        for k in range(args.runs):
+            for case, path, *_ in plans:
+                measured[case.name].append(run(path, k).step_s)
+                print(f"{case.name:18s} run {k}: {1e3 * measured[case.name][-1]:.1f} ms", flush=True)
+    rows = ["| layout | measured ms (runs) | predicted ms | error | without contention ms | error |", "|---|---|---|---|---|---|"]
+    for case, _, pred, pred0 in plans:
+        runs = measured[case.name]
+        med = statistics.median(runs)
+        rows.append(f"| {case.name} | {1e3 * med:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in runs)}) | {1e3 * pred:.1f} | "
+                    f"{100 * (pred / med - 1):+.1f}% | {1e3 * pred0:.1f} | {100 * (pred0 / med - 1):+.1f}% |")
+    how = args.hardware or "a `plan calibrate` of this machine run first"
+    text = (f"# Pipelines on shared cores\n\n`python bench/pipeline_contention.py --runs {args.runs}"
+            f"{' --hardware ' + args.hardware if args.hardware else ''}` on {os.cpu_count()} CPU cores, "
+            f"{time.strftime('%Y-%m-%d')}: examples/mlp.py as pp 4 on 4 processes, predicted with {how} "
+            f"(pipeline_overhead_s {1e3 * hw.pipeline_overhead_s:.2f} ms, pipeline_contention_s "
+            f"{1e3 * hw.pipeline_contention_s:.2f} ms, host_cores {hw.host_cores:.2f}); measured = the median over runs "
+            "of each run's median over ranks of their median of 7 timed steps.\n\n" + "\n".join(rows) + "\n")
+    out = ROOT / "bench" / "results" / "pipeline_contention.md"
+    out.write_text(text)
+    print(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
