@@ -879,7 +879,7 @@ PRESETS: dict[str, Hardware] = {
                                       "256-1024-256 MLPs on 4 rows (1.82 ms forward and backward alone, step 64.7 ms), "
                                       "timed in turns with it; (slot - alone x contention scale) / 2 - "
                                       "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
-                                      "(calibrate.pipeline_contention_s; 0-1.5 ms in nine runs that day, 0.45-1.5 but one: "
+                                      "(calibrate.pipeline_contention_s; 0-1.7 ms in eleven runs that day, 0.45-1.7 but one: "
                                       "the figure is as noisy as this VM)"),
         },
     ),
