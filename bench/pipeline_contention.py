@@ -27,12 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import Case, stages_for  # noqa: E402
-from time_fidelity import calibrate_here, profile, run  # noqa: E402
-from planner.build import build_plan  # noqa: E402
-from planner.cost import Candidate, CostModel  # noqa: E402
+from fidelity import Case  # noqa: E402
+from time_fidelity import calibrate_here, profile, run, write_case_plan  # noqa: E402
+from planner.cost import CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
-from planner.search import Solution, SolveOptions  # noqa: E402
 
 GRID = [Case(f"pp4 b4x{m} gpipe", pp=4, b=4, m=m, schedule="gpipe") for m in (1, 2, 4, 8)] \
     + [Case(f"pp4 b4x{m} 1f1b", pp=4, b=4, m=m) for m in (4, 8)] \
@@ -52,13 +50,8 @@ def main() -> None:
         with_it, without = CostModel(prof, hw, 8, hw.usable_memory_bytes()), CostModel(prof, before, 8, hw.usable_memory_bytes())
         plans = []
         for case in GRID:
-            cand = Candidate(1, 1, case.pp, case.b, case.m, 0, case.schedule, False, False)
-            stages = stages_for(prof.n_layers, case)
-            pred = with_it.evaluate(cand, stages)
-            opts = SolveOptions(gpus=4, hardware=hw, global_batch=case.b * case.m)
             path = work / f"{case.name.replace(' ', '_')}.json"
-            build_plan(Solution(cand, stages, pred), [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(),
-                       str(path)).save(path)
+            cand, stages, pred = write_case_plan(case, prof, prof_path, with_it, path)
             plans.append((case, path, pred.step_s, without.evaluate(cand, stages).step_s))
         measured = {case.name: [] for case, *_ in plans}
         for k in range(args.runs):

@@ -102,6 +102,19 @@ def calibrate_here(workdir: Path) -> Path:
     return path
 
 
+def write_case_plan(case: Case, prof, prof_path: Path, cost: CostModel, path: Path):
+    """The plan of a pinned layout of 4 processes, written to `path`: (candidate, stages, prediction)."""
+    offload = case.offload != "none"
+    fsdp = case.dp > 1 or offload or case.precision == "mixed"
+    cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v, case.sp)
+    stages = stages_for(prof.n_layers, case)
+    pred = cost.evaluate(cand, stages)
+    hw = cost.hw
+    opts = SolveOptions(gpus=4, hardware=hw, global_batch=cand.global_batch)
+    build_plan(Solution(cand, stages, pred), [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(path)).save(path)
+    return cand, stages, pred
+
+
 def plans_for(model: str, prof, prof_path: Path, workdir: Path, hw) -> list[tuple[str, Path, float]]:
     """(layout name, plan path, predicted step seconds) for the grid and the free choice."""
     cost = CostModel(prof, hw, 8, hw.usable_memory_bytes())
@@ -110,14 +123,8 @@ def plans_for(model: str, prof, prof_path: Path, workdir: Path, hw) -> list[tupl
         if case.tp > 1 and not tp_divides(prof, case.tp) or case.pp * case.v > prof.n_layers \
                 or case.sp and not prof.sequence_parallel:
             continue
-        offload = case.offload != "none"
-        fsdp = case.dp > 1 or offload or case.precision == "mixed"
-        cand = Candidate(case.dp, case.tp, case.pp, case.b, case.m, case.zero, case.schedule, fsdp, offload, case.v, case.sp)
-        stages = stages_for(prof.n_layers, case)
-        pred = cost.evaluate(cand, stages)
-        opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
         path = workdir / f"{model}-{case.name.replace(' ', '_')}.json"
-        build_plan(Solution(cand, stages, pred), [], prof, str(prof_path), hw, opts, hw.usable_memory_bytes(), str(path)).save(path)
+        _, _, pred = write_case_plan(case, prof, prof_path, cost, path)
         out.append((case.name, path, pred.step_s))
     opts = SolveOptions(gpus=4, hardware=hw, global_batch=GLOBAL_BATCH)
     result = search(prof, opts)
