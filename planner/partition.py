@@ -547,13 +547,14 @@ class StageSizeSearch:
         rest = [0.0] * (n + 1)                     # fastest time of layers i.. (a floor for what is left)
         for i in reversed(range(n)):
             rest[i] = rest[i + 1] + self.fastest[i]
+        spread = least_slowest_stage(self.fastest, self.loss.micro_batch_s, S)
 
         def key(stages_left: int, a: int, total: float, slowest: float, once: float) -> float:
             """A bound on every vector that starts so: what is left takes at least its layers'
-            fastest times (and the loss), and one of its stages at least their average."""
+            fastest times (and the loss), and its slowest stage at least the least that any
+            split of them into `stages_left` stages leaves the slowest."""
             left = rest[a] + (self.loss.micro_batch_s if stages_left else 0.0)
-            spread = left / stages_left if stages_left else 0.0
-            return total + left + (m - 1) * max(slowest, spread) + once
+            return total + left + (m - 1) * max(slowest, spread[stages_left][a]) + once
 
         # (bound, sizes, sum T, max T, max O, the last stage's layers if its time is not yet
         # its floor's: pushed with its layers' fastest times, refined when it comes first)
@@ -649,6 +650,27 @@ class StageSizeSearch:
             status = "time limit reached" if timed_out else ("cut off" if cutoff is not None else "infeasible")
             return Layout(status, None, None), solved
         return Layout("time limit" if timed_out else "optimal", best.stages, best.objective), solved
+
+
+def least_slowest_stage(times: list[float], loss_s: float, stages: int) -> list[list[float]]:
+    """least[k][a]: the least, over every split of layers a.. into k contiguous non-empty
+    stages, of the slowest stage's summed `times` (the last stage's with the loss); 0 for no
+    stages and no layers, inf where the layers are fewer than the stages. A stage takes at
+    least its layers' fastest times, so this bounds the slowest stage of what is left, and it
+    is never below their average, the bound it replaces (least[1] is the whole sum)."""
+    n = len(times)
+    w = np.array(times, dtype=np.float64)
+    w[-1] += loss_s
+    prefix = np.concatenate([[0.0], np.cumsum(w)])                   # (n + 1,)
+    seg = prefix[None, 1:] - prefix[:-1, None]                          # (a, b): layers a..b
+    seg = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], seg, np.inf)
+    least = [np.full(n + 1, np.inf)]
+    least[0][n] = 0.0
+    for _ in range(stages):
+        after = least[-1][1:]                                            # (b,): layers b + 1.. in one stage fewer
+        row = np.maximum(seg, after[None, :]).min(axis=1)                # (a,)
+        least.append(np.append(row, np.inf))
+    return [row.tolist() for row in least]
 
 
 @lru_cache(maxsize=256)

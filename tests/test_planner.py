@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 
+import numpy as np
 import pytest
 
 from planner.build import build_plan
@@ -262,6 +263,45 @@ def test_stage_size_search_equals_brute_force(seed, byte_scale, monkeypatch):
         assert StageSizeSearch(model, cand, choices).solve(cutoff=expected * 0.999)[0].status == "cut off"
         checked += 1
     assert checked or seed % 3, "no case had a layout that fits"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_undominated_rows_are_those_no_other_row_drops(seed):
+    """listed._undominated (by sums, a block at a time) keeps exactly the rows that no other
+    row is at most in every figure and unequal to, or equal to and before: with many ties,
+    repeated rows, more rows than a block, and figures whose sums round alike."""
+    rng = np.random.default_rng(seed)
+    n, f = int(rng.integers(1, 600)), int(rng.integers(1, 5))
+    x = rng.integers(0, 3, (n, f)).astype(float) if seed % 2 else rng.random((n, f))
+    x = np.vstack([x, x[: n // 3]])                                  # repeats, after their first
+    if seed % 3 == 0:
+        x = x * 1e-3 + 1e17                                          # sums that round to each other
+    expected = [j for j in range(len(x))
+                if not any((x[i] <= x[j]).all() and ((x[i] != x[j]).any() or i < j) for i in range(len(x)) if i != j)]
+    assert listed._undominated(x) == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_least_slowest_stage_equals_every_split(seed):
+    """The slowest stage's least summed time over every split of layers a.. into k stages (the
+    stage-size search's bound on what is left), as listed split by split; inf where the layers
+    are fewer than the stages, and never below the average it replaced."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    times = [rng.choice([0.0, rng.uniform(0.1, 3.0)]) for _ in range(n)]
+    loss = rng.uniform(0.0, 2.0)
+    least = partition.least_slowest_stage(times, loss, n + 1)
+    weights = times[:-1] + [times[-1] + loss]
+    for k in range(n + 2):
+        for a in range(n + 1):
+            if k == 0:
+                assert least[k][a] == (0.0 if a == n else math.inf)
+                continue
+            slowest = [max(sum(weights[lo:hi]) for lo, hi in zip((a,) + cut, cut + (n,)))
+                       for cut in itertools.combinations(range(a + 1, n), k - 1)] if n - a >= k else []
+            assert least[k][a] == (pytest.approx(min(slowest)) if slowest else math.inf)
+            if slowest:
+                assert least[k][a] >= sum(weights[a:]) / k * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("seed, byte_scale", [(k, 1) for k in range(760, 772)] + [(k, 2**17) for k in range(772, 776)])
