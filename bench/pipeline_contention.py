@@ -7,9 +7,11 @@ pp 4 with 1, 2, 4 and 8 micro-batches of 4 samples (GPipe; 1F1B for 4 and 8) and
 each `--runs` times, interleaved, and prints the measured step beside the cost model's
 prediction with the calibrated `pipeline_contention_s` and with it set to 0 (the model before
 it). Like bench/time_fidelity.py it calibrates this machine first, unless `--hardware` names a
-preset or cluster file.
+preset or cluster file. `--model gpt` (or llama) runs that model of bench/time_fidelity.py
+instead, whose actions are longer (the GPT's stages about 5 ms a micro-batch of 4).
 
     python bench/pipeline_contention.py [--runs 3] [--hardware FILE]   # writes bench/results/pipeline_contention.md
+    python bench/pipeline_contention.py --model gpt                    # ... pipeline_contention_gpt.md
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fidelity import Case  # noqa: E402
-from time_fidelity import calibrate_here, profile, run, write_case_plan  # noqa: E402
+from time_fidelity import MODELS, calibrate_here, profile, run, write_case_plan  # noqa: E402
 from planner.cost import CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 
@@ -41,12 +43,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--hardware", default=None, help="preset or cluster file (default: calibrate this machine first)")
+    ap.add_argument("--model", default="mlp", choices=sorted(MODELS), help="which of bench/time_fidelity.py's models")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         hw = get_hardware(args.hardware or str(calibrate_here(work)))
         before = dataclasses.replace(hw, pipeline_contention_s=0.0)
-        prof, prof_path = profile("mlp", work)
+        prof, prof_path = profile(args.model, work)
         with_it, without = CostModel(prof, hw, 8, hw.usable_memory_bytes()), CostModel(prof, before, 8, hw.usable_memory_bytes())
         plans = []
         for case in GRID:
@@ -66,12 +69,13 @@ def main() -> None:
                     f"{100 * (pred / med - 1):+.1f}% | {1e3 * pred0:.1f} | {100 * (pred0 / med - 1):+.1f}% |")
     how = args.hardware or "a `plan calibrate` of this machine run first"
     text = (f"# Pipelines on shared cores\n\n`python bench/pipeline_contention.py --runs {args.runs}"
-            f"{' --hardware ' + args.hardware if args.hardware else ''}` on {os.cpu_count()} CPU cores, "
-            f"{time.strftime('%Y-%m-%d')}: examples/mlp.py as pp 4 on 4 processes, predicted with {how} "
+            f"{' --hardware ' + args.hardware if args.hardware else ''}"
+            f"{' --model ' + args.model if args.model != 'mlp' else ''}` on {os.cpu_count()} CPU cores, "
+            f"{time.strftime('%Y-%m-%d')}: {MODELS[args.model]} as pp 4 on 4 processes, predicted with {how} "
             f"(pipeline_overhead_s {1e3 * hw.pipeline_overhead_s:.2f} ms, pipeline_contention_s "
             f"{1e3 * hw.pipeline_contention_s:.2f} ms, host_cores {hw.host_cores:.2f}); measured = the median over runs "
             "of each run's median over ranks of their median of 7 timed steps.\n\n" + "\n".join(rows) + "\n")
-    out = ROOT / "bench" / "results" / "pipeline_contention.md"
+    out = ROOT / "bench" / "results" / ("pipeline_contention.md" if args.model == "mlp" else f"pipeline_contention_{args.model}.md")
     out.write_text(text)
     print(text)
     print(f"wrote {out}")
