@@ -88,7 +88,7 @@ class ShardedOptimizer:
             self.inner = build_optimizer(self.aliases, self.config)
             for p, alias in zip(self.whole + self.chunked, self.aliases):
                 if id(p) in self.pending:
-                    self.inner.state[alias] = self.pending.pop(id(p))
+                    self.inner.state[alias] = on_device_of(alias, self.pending.pop(id(p)))
         if lr is not None:
             for group in self.inner.param_groups:
                 group["lr"] = lr
@@ -161,7 +161,7 @@ class ShardedOptimizer:
             if self.inner is None:
                 self.pending[id(p)] = state
             else:
-                self.inner.state[alias_of[id(p)]] = state
+                self.inner.state[alias_of[id(p)]] = on_device_of(alias_of[id(p)], state)
 
     def _gather_chunks(self, chunk: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """The dp ranks' chunks of one state, put together in the shape of `whole` (this rank's
@@ -173,6 +173,15 @@ class ShardedOptimizer:
         parts = [torch.empty_like(padded) for _ in bounds]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[:hi - lo] for part, (lo, hi) in zip(parts, bounds)]).view(whole.shape)
+
+
+def on_device_of(alias: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A parameter's loaded states on the device its optimizer steps it on. An offloaded
+    parameter's shard lives on the host, but its states come out of DCP on the mesh's device
+    (DTensor.from_local moves a template's host tensor there), and the fused step refuses
+    the mix (seen on an H200, 2026-12-04: a resumed plan with offloaded layers failed its
+    first step)."""
+    return {key: t.to(alias.device) for key, t in state.items()}
 
 
 def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

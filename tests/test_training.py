@@ -457,3 +457,29 @@ def test_tensorboard_log(tmp_path):
     assert [e.step for e in loss] == [2, 4]
     assert [e.value for e in loss] == pytest.approx([run["losses"][1], run["losses"][3]], rel=1e-5)   # pp 2, dp 1: the whole batch
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: an offloaded parameter's states on the device")
+def test_loaded_states_of_an_offloaded_parameter_step_on_the_host():
+    """An offloaded parameter's shard lives on the host while DCP hands its loaded states
+    back on the GPU (DTensor.from_local moves the template there): they are installed on the
+    host, where its fused step runs, and the step is the uninterrupted one's (on an H200 a
+    resumed plan with offloaded layers failed its first step, 2026-12-04)."""
+    from runtime.sharded_optimizer import ShardedOptimizer
+    torch.manual_seed(0)
+    grads = [torch.randn(4, 3) for _ in range(3)]
+    whole = torch.nn.Parameter(torch.randn(4, 3))
+    resumed = torch.nn.Parameter(whole.detach().clone())
+    first, second = ShardedOptimizer([whole], OptimizerConfig()), ShardedOptimizer([resumed], OptimizerConfig())
+    for g in grads[:2]:
+        whole.grad = g.clone()
+        first.step()
+    states = {k: v.cuda() for k, v in first.export_state({"w": whole}).items()}   # as DCP loads them
+    with torch.no_grad():
+        resumed.copy_(whole)
+    second.import_state({"w": resumed}, states)
+    whole.grad, resumed.grad = grads[2].clone(), grads[2].clone()
+    first.step()
+    second.step()
+    assert all(t.device.type == "cpu" for t in second.state_of([resumed])[0].values())
+    assert torch.equal(resumed.detach(), whole.detach())
