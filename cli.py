@@ -245,7 +245,7 @@ def hardware_cmd(wide: bool = WIDE):
 @app.command()
 def calibrate(
     device: str = typer.Option("cpu", help="cpu (processes over gloo) | cuda (GPUs of this node over NCCL)."),
-    processes: str = typer.Option("2,4", help="Process counts to measure collectives at, comma-separated (cuda: GPUs)."),
+    processes: str = typer.Option("2,4", help="Process counts to measure collectives at, comma-separated (cuda: GPUs; 1 measures rates only)."),
     base: Optional[str] = typer.Option(None, help="Preset whose other figures the file keeps (default: cpu, or h100-sxm-80g)."),
     output: Path = typer.Option(Path("cluster.toml"), "-o", "--output", help="Where to write the cluster file."),
 ):
@@ -255,10 +255,12 @@ def calibrate(
         counts = tuple(sorted({int(x) for x in processes.split(",") if x.strip()}))
     except ValueError:
         fail(f"--processes {processes!r} is not a comma-separated list of integers, e.g. 2,4.")
-    if not counts or min(counts) < 2:
-        fail(f"--processes {processes!r} must list counts of 2 or more, e.g. 2,4.")
     if device not in ("cpu", "cuda"):
         fail(f"--device {device} is not cpu or cuda.")
+    # One GPU still has rates to measure (matmul, attention, copies); one CPU process has no collective.
+    least = 1 if device == "cuda" else 2
+    if not counts or min(counts) < least:
+        fail(f"--processes {processes!r} must list counts of {least} or more, e.g. {'1' if least == 1 else '2,4'}.")
     if base is not None and base not in PRESETS:
         fail(f"--base {base} is not a preset; use one of {', '.join(PRESETS)}.")
     import torch

@@ -187,16 +187,18 @@ def checkpoint_cell(layers) -> str:
 
 
 def memory_check_table(rows, title: str, tolerance: float) -> tuple[Group, float]:
-    """Predicted vs measured peak per stage; returns the table and the worst error (percent)."""
-    unit, scale = size_unit([x for r in rows for x in (r.predicted, r.measured)])
+    """Predicted vs measured peak per stage, and on CUDA what the allocator reserved beside it;
+    returns the table and the worst error (percent)."""
+    reserved = any(r.reserved for r in rows)
+    unit, scale = size_unit([x for r in rows for x in (r.predicted, r.measured, r.reserved)])
     title = f"{title} (peak memory, {unit})"
-    t = table(["stage", "ranks", "predicted", "measured", "error"], left=("ranks",))
+    t = table(["stage", "ranks", "predicted", "measured", "error"] + (["reserved"] if reserved else []), left=("ranks",))
     worst = 0.0
     for r in rows:
         worst = max(worst, abs(r.error_pct))
         colour = "green" if abs(r.error_pct) <= min(1.0, tolerance) else ("yellow" if abs(r.error_pct) <= tolerance else "red")
         t.add_row(str(r.stage), ranges(list(r.ranks)), number(r.predicted / scale), number(r.measured / scale),
-                  f"[{colour}]{r.error_pct:+.2f}%[/]")
+                  f"[{colour}]{r.error_pct:+.2f}%[/]", *([number(r.reserved / scale)] if reserved else []))
     return titled(title, t), worst
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check: calibrate the GPU (matmul sweep, copy bandwidth; NCCL collectives where there
-# are 2+ GPUs), profile a ~1B-parameter GPT on CUDA, solve for one GPU with a memory limit that
-# forces checkpointing and offload, run the plan (and one with every layer selectively
-# checkpointed), and print memory and time fidelity; then
-# resume that plan from a CUDA checkpoint and load a tiny Llama's safetensors (--init-from).
-# Designed to finish in a few minutes on one H200; exits 0 with a note where there is no CUDA.
+# The GPU check: calibrate the GPU (matmul sweep, attention, copies; NCCL collectives where
+# there are 2+ GPUs), profile a ~1B-parameter GPT on CUDA, and run one plan of each kind on one
+# GPU (the free choice, plain, accumulation, full and selective checkpointing, and checkpointing
+# with offload under a memory limit), printing memory and time fidelity for each; profile and
+# run 4 of Llama 3 8B's layers at 4096 tokens; then resume the offload plan from a CUDA
+# checkpoint and load a tiny Llama's safetensors (--init-from).
+# Designed to finish in about 8 minutes on one H200; exits 0 with a note where there is no CUDA.
 #
 #   bash bench/gpu_check.sh            # results under $OUT (default bench/results/gpu)
+#   TRAINING=0 bash bench/gpu_check.sh # without the resume and --init-from checks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -18,35 +20,46 @@ mkdir -p "$OUT"
 LIMIT=${LIMIT:-12GiB}   # mixed-precision AdamW keeps 16 B per parameter: ~17 GB for 1B, so 12 GiB forces offload
 set -x
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -ge 2 ]; then
-  time plan calibrate --device cuda --processes "$NGPU" --base h200-141g -o "$OUT/cluster.toml" | tee "$OUT/calibrate.txt"
-else
-  # One GPU: the matmul table and copy bandwidth only (collectives need two).
-  time python -c "from profiles.calibrate import fit_matmul, matmul_flops, copy_bandwidth; import torch
-pts = [(d, d, d, matmul_flops(torch.bfloat16, d, d, d, device='cuda', repeats=20)) for d in (256, 512, 1024, 2048, 4096, 8192)]
-pts += [(m, n, k, matmul_flops(torch.bfloat16, m, n, k, device='cuda', repeats=20)) for m, n, k in ((16384, 4096, 4096), (4096, 14336, 4096), (8192, 1024, 8192))]
-print('matmul TFLOP/s', [(m, n, k, round(r / 1e12)) for m, n, k, r in pts])
-print('fit (efficiency, knee, residual) vs 989.4 TFLOPS:', fit_matmul(pts, 989.4e12))
-print('copy GB/s', copy_bandwidth(1 << 30, device='cuda') / 1e9)" | tee "$OUT/calibrate.txt"
-fi
-time plan profile bench/models/gpt1b.py --device cuda --precision mixed --batch-sizes 1,2,4 -o "$OUT/profile.json" --repeats 3
-time plan solve "$OUT/profile.json" --gpus 1 --hardware h200-141g --memory-limit "$LIMIT" --global-batch 8 -o "$OUT/plan.json"
-plan run "$OUT/plan.json" --steps 8 --out "$OUT/run.json"
-plan verify "$OUT/plan.json" "$OUT/run.json" --tolerance 5 | tee "$OUT/verify.txt"
-# Selective checkpointing on CUDA (its masks and kernels differ from the CPU's): every layer selective.
-plan solve "$OUT/profile.json" --gpus 1 --hardware h200-141g --global-batch 8 --checkpoint selective -o "$OUT/plan-selective.json"
-plan run "$OUT/plan-selective.json" --steps 8 --out "$OUT/run-selective.json"
-plan verify "$OUT/plan-selective.json" "$OUT/run-selective.json" --tolerance 5 | tee "$OUT/verify-selective.txt"
+# The rates table (matmul sweep, attention, copies, the host's AdamW); collectives with 2+ GPUs.
+time plan calibrate --device cuda --processes "$NGPU" --base h200-141g -o "$OUT/cluster.toml" | tee "$OUT/calibrate.txt"
+time plan profile bench/models/gpt1b.py --device cuda --precision mixed --batch-sizes 1,2,4,8 -o "$OUT/profile.json" --repeats 3
 
+# One row of the single-GPU time-fidelity table: solve with these pins, run 8 steps, verify.
+row() {
+  local name=$1 profile=$2 batch=$3; shift 3
+  plan solve "$profile" --gpus 1 --hardware h200-141g --global-batch "$batch" "$@" -o "$OUT/plan-$name.json"
+  plan run "$OUT/plan-$name.json" --steps 8 --out "$OUT/run-$name.json"
+  plan verify "$OUT/plan-$name.json" "$OUT/run-$name.json" --tolerance 5 | tee "$OUT/verify-$name.txt"
+}
+row plain "$OUT/profile.json" 8 --checkpoint none --offload none --micro-batch 8
+row accumulation "$OUT/profile.json" 8 --checkpoint none --offload none --micro-batch 2
+row checkpointing "$OUT/profile.json" 8 --checkpoint all --offload none --micro-batch 8
+row offload "$OUT/profile.json" 8 --memory-limit "$LIMIT"   # the solver's checkpointing and offload under the limit
+
+# Llama 3 8B's layers (4 of them) at 4096 tokens, measured: what the fake-mode roofline's
+# per-layer times are held to (bench/gpu_fake.py, on any machine, from these files).
+python - "$OUT" <<'PY'
+import json, pathlib, sys
+from profiles.hf import read_config
+_, d = read_config("llama-3-8b"); d["num_hidden_layers"] = 4
+folder = pathlib.Path(sys.argv[1]) / "llama-3-8b-4-layers"; folder.mkdir(exist_ok=True)
+(folder / "config.json").write_text(json.dumps(d, indent=1))
+PY
+time plan profile "$OUT/llama-3-8b-4-layers" --device cuda --precision mixed --seq-len 4096 --batch-sizes 1,2 --repeats 3 -o "$OUT/llama8b4-profile.json"
+row llama8b4 "$OUT/llama8b4-profile.json" 4 --checkpoint none --offload none --micro-batch 2
+row free "$OUT/profile.json" 8
+row selective "$OUT/profile.json" 8 --checkpoint selective --offload none --micro-batch 8
+
+[ "${TRAINING:-1}" = 1 ] || exit 0
 # Training on CUDA (issue 13): 4 steps with a checkpoint, then a resume to step 8, held to the
 # uninterrupted run above (its losses 5..8); then a tiny Llama's safetensors in (--init-from),
 # its first loss against transformers' own from_pretrained on the same batch.
-plan run "$OUT/plan.json" --steps 4 --checkpoint-dir "$OUT/ck" --out "$OUT/run-first.json"
-plan run "$OUT/plan.json" --steps 8 --checkpoint-dir "$OUT/ck" --resume --out "$OUT/run-resumed.json"
+plan run "$OUT/plan-offload.json" --steps 4 --checkpoint-dir "$OUT/ck" --out "$OUT/run-first.json"
+plan run "$OUT/plan-offload.json" --steps 8 --checkpoint-dir "$OUT/ck" --resume --out "$OUT/run-resumed.json"
 python - "$OUT" <<'PY' | tee "$OUT/resume.txt"
 import json, sys
 out = sys.argv[1]
-whole = json.load(open(f"{out}/run.json"))["losses"]
+whole = json.load(open(f"{out}/run-offload.json"))["losses"]
 resumed = json.load(open(f"{out}/run-resumed.json"))["losses"]
 print("uninterrupted steps 5-8:", whole[4:]); print("resumed steps 5-8:     ", resumed)
 print("max relative difference:", max(abs(a - b) / abs(a) for a, b in zip(whole[4:], resumed)))

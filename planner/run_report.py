@@ -35,6 +35,7 @@ class RankReport:
     threads: int = 1                                   # intra-op threads this rank ran with
     breakdown_s: dict[str, float] | None = None        # the profiled last step by component (runtime/breakdown.py)
     breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
+    reserved_bytes: int = 0                            # CUDA: the allocator's most reserved over the run (max_memory_reserved); 0 on CPU
 
 
 @dataclass

@@ -21,6 +21,7 @@ class StageRow:
     predicted: int        # bytes
     measured: int         # bytes: the largest peak among those ranks
     error_pct: float      # (predicted - measured) / measured, percent
+    reserved: int = 0     # bytes the CUDA allocator held at most (its cache included); 0 on CPU
 
 
 # The components the runtime's breakdown measures a step in (runtime/breakdown.py), and the
@@ -65,7 +66,8 @@ def compare(plan: Plan, plan_path: str | Path, run: RunReport) -> tuple[list[Sta
         mine = [r for r in run.ranks if r.pp_rank == pp_rank]
         peak = max(s.peak_bytes for s in stages if s.index % plan.pp == pp_rank)
         measured = max(r.peak_bytes for r in mine)
-        rows.append(StageRow(pp_rank, [r.rank for r in mine], peak, measured, 100.0 * (peak - measured) / max(measured, 1)))
+        rows.append(StageRow(pp_rank, [r.rank for r in mine], peak, measured, 100.0 * (peak - measured) / max(measured, 1),
+                             max(r.reserved_bytes for r in mine)))
     # Every rank waits for the others each step, so they take the same time per step on
     # the whole; the median over ranks of their median steps is the least noisy figure.
     measured_step = run.step_s

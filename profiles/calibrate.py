@@ -333,13 +333,57 @@ def median_time(fn: Callable[[], None], repeats: int, warmup: int = 2, sync: Cal
     return statistics.median(times)
 
 
-def matmul_flops(dtype, m: int, n: int, k: int, device: str = "cpu", repeats: int = 10) -> float:
+def matmul_flops(dtype, m: int, n: int, k: int, device: str = "cpu", repeats: int = 10, chain: int = 1) -> float:
+    """FLOP/s of torch.mm, timed `chain` calls back to back per sample. On a GPU a chain is what a
+    step issues: one call and a synchronize also times the launch and the wait, about 20 us on an
+    H200 (2026-12-04: a lone 1024^3 bf16 matmul took 25 us, 85 TFLOP/s)."""
     import torch
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
     out = torch.empty(m, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    return 2.0 * m * n * k / median_time(lambda: torch.mm(a, b, out=out), repeats, sync=sync)
+
+    def calls() -> None:
+        for _ in range(chain):
+            torch.mm(a, b, out=out)
+    return 2.0 * m * n * k * chain / median_time(calls, repeats, sync=sync)
+
+
+# The GPU sweep: squares, then the shapes of transformer layers (tokens x width x width, the MLP's
+# wide and narrow sides, a tensor-parallel slice, the vocabulary head).
+MATMUL_SHAPES = tuple((d, d, d) for d in (256, 512, 1024, 2048, 4096, 8192)) + (
+    (2048, 2048, 2048 * 3), (2048, 8192, 2048), (2048, 2048, 8192), (8192, 4096, 4096), (8192, 14336, 4096),
+    (8192, 4096, 14336), (8192, 1024, 4096), (16384, 8192, 8192), (16384, 28672, 8192), (8192, 3584, 8192),
+    (4096, 32000, 2048), (8192, 128256, 4096))
+# Fused attention (B, heads, sequence, head size), causal, forward and backward: the 1B GPT of
+# the GPU check, Llama 3 8B's at 2k-8k tokens, and 70B's head count.
+ATTENTION_SHAPES = ((8, 16, 1024, 128), (4, 32, 2048, 128), (1, 32, 4096, 128), (1, 32, 8192, 128), (1, 64, 4096, 128))
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, repeats: int = 10) -> tuple[float, float]:
+    """(FLOP/s, FLOPs) of causal bf16 scaled_dot_product_attention forward and backward on the
+    GPU, the FLOPs as PyTorch's counter (and so the profile) counts them."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = float(counter.get_total_flops())
+    return flops / median_time(step, repeats, sync=torch.cuda.synchronize), flops
+
+
+def host_to_device_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes / t of a pinned host tensor copied to the GPU (FSDP2's CPU offload pins its states)."""
+    import torch
+    src = torch.ones(nbytes // 4, dtype=torch.float32).pin_memory()
+    dst = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    return nbytes / median_time(lambda: dst.copy_(src, non_blocking=True), repeats, sync=torch.cuda.synchronize)
 
 
 def copy_bandwidth(nbytes: int = 256 * 2**20, device: str = "cpu", repeats: int = 10) -> float:
@@ -469,22 +513,39 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         notes.append(f"{cores:.2f} processes at a time run at full speed ({most} together: {together / alone:.2f} of one alone)")
     else:
         on_progress("matmul sweep")
-        points = []
-        for d in (256, 512, 1024, 2048, 4096, 8192):
-            points.append((d, d, d, matmul_flops(torch.bfloat16, d, d, d, device="cuda", repeats=20)))
-        for m, n, k in ((16384, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336), (8192, 1024, 8192)):
-            points.append((m, n, k, matmul_flops(torch.bfloat16, m, n, k, device="cuda", repeats=20)))
+        points = [(m, n, k, matmul_flops(torch.bfloat16, m, n, k, device="cuda", repeats=7, chain=8))
+                  for m, n, k in MATMUL_SHAPES]
         eff, knee, res = fit_matmul(points, hw.bf16_flops)
         shown = ", ".join(f"{m}x{n}x{k}: {r / 1e12:.0f}" for m, n, k, r in points)
-        put("matmul_efficiency", eff, f"bf16 torch.mm sweep, TFLOP/s {shown}; fitted with the knee below, worst miss {100 * res:.1f}%")
+        put("matmul_efficiency", eff, f"bf16 torch.mm sweep, 8 calls back to back a sample, TFLOP/s {shown}; "
+                                      f"fitted with the knee below, worst miss {100 * res:.1f}%")
         put("matmul_knee", knee, "the same fit")
+        on_progress("attention")
+        shares = []
+        for shape in ATTENTION_SHAPES:
+            rate, _ = attention_flops(*shape)
+            shares.append((shape, rate / hw.bf16_flops))
+        shown = ", ".join(f"{'x'.join(map(str, sh))}: {100 * f:.0f}%" for sh, f in shares)
+        # The counter counts a causal kernel's skipped half too, so the share could pass 1 on a fast kernel.
+        put("attention_efficiency", min(1.0, statistics.median(f for _, f in shares)),
+            f"causal bf16 scaled_dot_product_attention forward and backward, FLOPs as PyTorch's counter counts them "
+            f"over t, as a share of the peak, median of (B x heads x sequence x head size) {shown}")
+        on_progress("copies")
         put("memory_efficiency", min(1.0, copy_bandwidth(1 << 30, device="cuda") / hw.hbm_bandwidth),
             "(read + written bytes) / t of a 1 GiB copy_ over the base's hbm_bandwidth")
-        notes.append(f"best matmul {max(r for *_, r in points) / 1e12:.0f} TFLOP/s bf16 "
-                     f"({100 * max(r for *_, r in points) / hw.bf16_flops:.0f}% of the datasheet's dense peak)")
+        put("host_to_device_bandwidth", host_to_device_bandwidth(), "bytes / t of a 1 GiB pinned host tensor copied to the GPU")
+        put("cpu_adam_params_per_s", adamw_params_per_s(total=64 * 2**20, repeats=3),
+            f"fused torch.optim.AdamW step on 64M fp32 parameters on the host, {torch.get_num_threads()} threads")
+        best = max(r for *_, r in points)
+        notes.append(f"best matmul {best / 1e12:.0f} TFLOP/s bf16 ({100 * best / hw.bf16_flops:.0f}% of the datasheet's dense peak); "
+                     f"fitted: {100 * eff:.1f}% of peak, knee {knee}, worst miss {100 * res:.0f}%")
+        notes.append("matmul TFLOP/s (m x n x k): " + ", ".join(f"{m}x{n}x{k} {r / 1e12:.0f}" for m, n, k, r in points))
+        notes.append("attention, share of peak (B x heads x sequence x head size): " + shown)
+        if max(processes) < 2:
+            notes.append(f"one GPU: no collectives measured; the file keeps {base_name}'s links")
 
     rows = []
-    for count in processes:
+    for count in (c for c in processes if c > 1):
         on_progress(f"collectives in {count} processes")
         rows += measure_collectives(count, device)
     if device == "cpu":

@@ -203,13 +203,16 @@ class Trainer:
                 self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
             if stop:
                 raise Stopped(step + 1, self.stops.signal_name, self.saved)
+        reserved = 0
         if p.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(p.device)
+            reserved = torch.cuda.max_memory_reserved(p.device)   # since the process began: the cache fragmentation leaves
         timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times
         report = RankReport(rank=dist.get_rank(), pp_rank=p.pp_rank, dp_rank=p.dp_rank, tp_rank=p.tp_rank,
                             stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
-                            breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0)
+                            breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0,
+                            reserved_bytes=int(reserved))
         return losses, report
 
     @contextlib.contextmanager

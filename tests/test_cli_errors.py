@@ -269,6 +269,7 @@ def test_solve_nothing_fits_exits_3(small_profile, tmp_path):
 
 @pytest.mark.parametrize("args, needles", [
     (["--processes", "1"], ["--processes '1' must list counts of 2 or more"]),
+    (["--device", "cuda", "--processes", "0"], ["--processes '0' must list counts of 1 or more"]),
     (["--processes", "two"], ["is not a comma-separated list of integers"]),
     (["--device", "tpu"], ["--device tpu is not cpu or cuda"]),
     (["--base", "h300"], ["--base h300 is not a preset"]),

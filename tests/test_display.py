@@ -59,7 +59,7 @@ def test_every_table_fits_80_columns(big, wide):
         display.hardware_table(PRESETS, wide),
         display.top_table(solutions, plan.memory_limit_bytes, wide),
         display.plan_table(plan, wide),
-        display.memory_check_table([StageRow(s, list(range(4 * s, 4 * s + 4)), 70 * 2**30 + s, 71 * 2**30, -1.41)
+        display.memory_check_table([StageRow(s, list(range(4 * s, 4 * s + 4)), 70 * 2**30 + s, 71 * 2**30, -1.41, 74 * 2**30)
                                     for s in range(16)], "predicted vs measured: plan-64xh100.json / run.json", 3.0)[0],
         display.time_check_table([TimeRow(c, 1.234, 12.345) for c in ("compute", "tp_comm", "dp_comm", "p2p")], 63),
         display.run_table(RunReport("plan-64xh100.json", "0" * 64, 64, 6, [10.0] * 6, "NVIDIA H100 80GB HBM3", "2.13",
@@ -77,6 +77,15 @@ def test_wide_adds_columns_and_default_keeps_what_matters(big):
     for column in ("weights", "grads", "optim", "activ", "peak"):
         assert column in narrow
     assert "peak per stage" in render(display.top_table(solutions, plan.memory_limit_bytes, True), 400)
+
+
+def test_memory_check_shows_reserved_memory_only_where_measured():
+    """CUDA runs carry what the allocator reserved; CPU runs (0) show no such column."""
+    rows = [StageRow(0, [0], 11 * 2**30, 12 * 2**30, -8.3, 13 * 2**30)]
+    text = render(display.memory_check_table(rows, "t", 3.0)[0])
+    assert "reserved" in text and "13" in text
+    rows[0].reserved = 0
+    assert "reserved" not in render(display.memory_check_table(rows, "t", 3.0)[0])
 
 
 def test_brackets_in_names_survive():
