@@ -580,6 +580,8 @@ def verify(
         out.print(display.time_check_table(time_rows, time_rank))
         if plan.device_type == "cpu":
             out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
+        else:
+            out.print("On a GPU each component is its kernels' time, and other is the time the GPU ran none.")
     if plot:
         import plots
         plots.plot_verify(plan, rows, time_rows, plot)

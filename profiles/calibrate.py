@@ -73,10 +73,17 @@ def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[flo
     return latency, 1.0 / slope, residual
 
 
-def fit_matmul(points: list[tuple[int, int, int, float]], peak: float) -> tuple[float, int, float]:
+def fit_matmul(points: list[tuple[int, int, int, float]], peak: float,
+               least_s: float = 50e-6) -> tuple[float, int, float]:
     """(efficiency, knee, worst relative residual) of FLOP/s(m, n, k) = peak * efficiency *
     prod(d / (d + knee)) over measured (m, n, k, FLOP/s) points; the knee by a search over
-    powers of two and halves between, the efficiency then by least squares."""
+    powers of two and halves between, the efficiency then by least squares.
+
+    Points whose matmul takes under `least_s` are left out: back to back, those time how fast
+    the host launches kernels, not the GPU (an H200's 256^3 to 1024^3 ran at 11-28 us a call on
+    two hosts, 2x apart, 2026-12-04), and no knee fits both."""
+    timed = [p for p in points if 2.0 * p[0] * p[1] * p[2] / p[3] >= least_s]
+    points = timed if len(timed) >= 2 else points
     best = None
     for knee in sorted({1} | {int(2 ** (e / 2)) for e in range(2, 25)}):
         shape = [math.prod(d / (d + knee) for d in (m, n, k)) if knee > 1 else 1.0 for m, n, k, _ in points]

@@ -57,6 +57,24 @@ def _register_cpu_attention_formulas() -> None:
 _register_cpu_attention_formulas()
 
 
+def attention_flops(packet, args, kwargs, out) -> int:
+    """A fused attention op's FLOPs by PyTorch's formula. Under grouped-query attention K and V
+    hold fewer heads than Q (Llama 3: 8 and 32), which the formula refuses ("query/key/value
+    shapes are incompatible", a CUDA profile of Llama 3 on an H200, 2026-12-04); every Q head
+    still attends over its group's K and V, so they count as repeated to Q's heads."""
+    q_at = 1 if "backward" in packet.__name__ else 0          # backward ops take grad_out first
+    heads = 1 if packet.__name__.startswith("_scaled_dot_product") else 2   # (B, H, S, D), else (B, S, H, D)
+    args = list(args)
+    q = args[q_at]
+    for i in (q_at + 1, q_at + 2):
+        kv = args[i]
+        if isinstance(kv, torch.Tensor) and kv.dim() == 4 and kv.shape[heads] != q.shape[heads]:
+            shape = list(kv.shape)
+            shape[heads] = q.shape[heads]
+            args[i] = torch.empty(shape, dtype=kv.dtype, device="meta")   # the formula reads shapes only
+    return int(flop_registry[packet](*args, **kwargs, out_val=out))
+
+
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -119,10 +137,11 @@ class OpCost(CountingMode):
             self.gather_scatter_bytes += _tensor_bytes([whole])
             self.gather_scatter_count += 1
         elif packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            kind = "attention" if "attention" in packet.__name__ else "matmul"
+            flops = attention_flops(packet, args, kwargs, out) if kind == "attention" else \
+                int(flop_registry[packet](*args, **kwargs, out_val=out))
             self.flops += flops
             if self.op_seconds is not None:
-                kind = "attention" if "attention" in packet.__name__ else "matmul"
                 self.seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
         elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
             outs, _ = tree_flatten(out)

@@ -13,8 +13,11 @@ nearest event around it that names one (itself included):
 
 and `other` is the rest of the wall time (Python, hooks' bookkeeping): on CPU processes the
 ops run on the step's thread, so the components and `other` add up to the step's wall time.
-On CUDA the profiler sees the CPU side only (kernel launches, waits); the times are then the
-host's view, and the table says so.
+On CUDA the host only launches kernels and waits, so each component is the GPU time of the
+kernels its ops launched (on any thread: backward runs on autograd's own), and `other` is
+the wall time the GPU spent on none (launch-bound stretches, host copies waited for).
+Kernels on side streams (NCCL) overlap the others; then the components add up to more than
+the step and `other` is 0.
 """
 
 from __future__ import annotations
@@ -57,22 +60,40 @@ def attribute(events) -> dict[str, float]:
     for e in events:
         if e.thread != main:
             continue
-        kind, up = None, e
-        while up is not None and kind is None:
-            kind, up = component_of(up.name), up.cpu_parent
-        seconds[kind or "compute"] += e.self_cpu_time_total / 1e6
+        seconds[component_up(e)] += e.self_cpu_time_total / 1e6
     return dict(seconds)
 
 
-def profile_step(step: Callable[[], None], synchronize: Callable[[], None]) -> tuple[dict[str, float], float]:
+def component_up(e) -> str:
+    """The component of an event: its own mark or its nearest marked ancestor's, else compute."""
+    kind, up = None, e
+    while up is not None and kind is None:
+        kind, up = component_of(up.name), up.cpu_parent
+    return kind or "compute"
+
+
+def attribute_kernels(events) -> dict[str, float]:
+    """CUDA: seconds of GPU kernels per component, each kernel given to the component of the
+    host op that launched it (FunctionEvent.kernels: the kernels an op launched itself)."""
+    seconds = Counter()
+    for e in events:
+        kernels = sum(k.duration for k in getattr(e, "kernels", ()))
+        if kernels:
+            seconds[component_up(e)] += kernels / 1e6
+    return dict(seconds)
+
+
+def profile_step(step: Callable[[], None], synchronize: Callable[[], None],
+                 on_gpu: bool = False) -> tuple[dict[str, float], float]:
     """Run `step` once under torch.profiler; (seconds per component, the step's wall seconds)."""
     synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
         synchronize()
         wall = time.perf_counter() - t0
-    parts = attribute(prof.events())
+    parts = attribute_kernels(prof.events()) if on_gpu else attribute(prof.events())
     out = {k: parts.get(k, 0.0) for k in COMPONENTS if k != "other"}
     out["other"] = max(0.0, wall - sum(out.values()))
     return out, wall

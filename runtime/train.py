@@ -182,7 +182,8 @@ class Trainer:
                 on_start(step)
             if k == profiled:
                 out: list = []
-                breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize)
+                breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize,
+                                                  on_gpu=p.device.type == "cuda")
                 times.append(wall)
                 loss = out[0]
             else:

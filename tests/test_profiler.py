@@ -116,6 +116,32 @@ def test_flops_equal_flop_counter_on_whole_model(example_profiles, name):
     assert ours == counter.get_total_flops() > 0
 
 
+@pytest.mark.parametrize("packet, extra", [
+    ("_scaled_dot_product_flash_attention", ()), ("_scaled_dot_product_efficient_attention", (None, True)),
+    ("_scaled_dot_product_cudnn_attention", (None, True)), ("_scaled_dot_product_flash_attention_backward", None),
+    ("_scaled_dot_product_efficient_attention_backward", None)])
+def test_grouped_query_attention_counts_as_keys_and_values_repeated(packet, extra):
+    """The CUDA kernels take K and V with fewer heads than Q (GQA); their FLOPs are those of K
+    and V repeated to Q's heads (PyTorch 2.11's formula refused them: a Llama 3 profile on CUDA)."""
+    from profiles.flops import attention_flops
+    op = getattr(torch.ops.aten, packet)
+    meta = lambda *shape: torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    q, kv, kv_repeated = meta(2, 32, 128, 64), meta(2, 8, 128, 64), meta(2, 32, 128, 64)
+    out = (meta(2, 32, 128, 64),)
+    if extra is None:           # backward: (grad_out, q, k, v, out, logsumexp, ...)
+        grouped, repeated = (q, q, kv, kv, q, meta(2, 32, 128)), (q, q, kv_repeated, kv_repeated, q, meta(2, 32, 128))
+        if "efficient" in packet:
+            grouped, repeated = grouped[:4] + (None,) + grouped[4:] + (0.0, (True, True, True, False)), \
+                repeated[:4] + (None,) + repeated[4:] + (0.0, (True, True, True, False))
+        else:
+            grouped, repeated = grouped + (None, None, 128, 128, 0.0, False, None, None), \
+                repeated + (None, None, 128, 128, 0.0, False, None, None)
+    else:
+        grouped, repeated = (q, kv, kv, *extra), (q, kv_repeated, kv_repeated, *extra)
+    want = attention_flops(op, repeated, {}, out)
+    assert want > 0 and attention_flops(op, grouped, {}, out) == want
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_fake_and_real_profiles_agree(example_profiles, name):
     real, fake = example_profiles[name]["real"], example_profiles[name]["fake"]
