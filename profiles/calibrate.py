@@ -367,7 +367,7 @@ MATMUL_SHAPES = tuple((d, d, d) for d in (256, 512, 1024, 2048, 4096, 8192)) + (
 ATTENTION_SHAPES = ((8, 16, 1024, 128), (4, 32, 2048, 128), (1, 32, 4096, 128), (1, 32, 8192, 128), (1, 64, 4096, 128))
 
 
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int, repeats: int = 10) -> tuple[float, float]:
+def attention_rate(batch: int, heads: int, seq: int, head_dim: int, repeats: int = 10) -> tuple[float, float]:
     """(FLOP/s, FLOPs) of causal bf16 scaled_dot_product_attention forward and backward on the
     GPU, the FLOPs as PyTorch's counter (and so the profile) counts them."""
     import torch
@@ -530,7 +530,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         on_progress("attention")
         shares = []
         for shape in ATTENTION_SHAPES:
-            rate, _ = attention_flops(*shape)
+            rate, _ = attention_rate(*shape)
             shares.append((shape, rate / hw.bf16_flops))
         shown = ", ".join(f"{'x'.join(map(str, sh))}: {100 * f:.0f}%" for sh, f in shares)
         # The counter counts a causal kernel's skipped half too, so the share could pass 1 on a fast kernel.
