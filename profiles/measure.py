@@ -417,6 +417,10 @@ def share_times_of_identical_layers(layers: list[LayerProfile]) -> None:
                     med = statistics.median(getattr(getattr(g, attr)[b], name) for g in group)
                     for g in group:
                         setattr(getattr(g, attr)[b], name, med)
+        for b in group[0].tp_times:
+            med = [statistics.median(g.tp_times[b][k] for g in group) for k in (0, 1)]
+            for g in group:
+                g.tp_times[b] = list(med)
 
 
 # --------------------------------------------------------------------------------------
@@ -564,6 +568,19 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                         layers[i].tp_times[b] = list(layers[j].tp_times[b])
                     if not opts.fake:
                         layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = measure_time(layer, layer, x, opts)
+                        # Split ones too: share_times_of_identical_layers then takes the median of
+                        # as many TP timings as plain ones. (Timed on the first layer only, the
+                        # tiny Llama's summed TP times moved 24-30% between four profiles where
+                        # its plain times moved 12-16%, 2026-12-04.)
+                        if b in layers[i].tp_samples:
+                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_mesh)
+                            sample = layers[i].tp_samples[b]
+                            sample.fwd_s, sample.bwd_s = measure_time(split, split, x, opts)
+                            del split
+                        if b in layers[i].tp_times:
+                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_timed_mesh)
+                            layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
+                            del split
                 else:
                     seen[key] = i
                     layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)

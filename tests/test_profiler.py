@@ -328,3 +328,20 @@ def test_sequence_parallel_activation_memory_is_korthikanti_et_al(tp):
             assert got.tp_fwd_comm_bytes == got.tp_bwd_comm_bytes == 0
         # What passes between the layers is the slice: 1/t of the hidden states.
         assert prof.layers[0].at_tp(b, tp, True).output_bytes == prof.layers[1].at_tp(b, tp, True).input_bytes == 2 * sbh / tp
+
+
+def test_identical_layers_share_the_median_of_their_timings_split_ones_too():
+    """Each of a group of identical layers is timed (plain, at TP_MEASURED and at TP_TIMED);
+    all then take the group's median, so one unlucky timing does not stand for every layer."""
+    from profiles.measure import share_times_of_identical_layers
+    from profiles.schema import LayerProfile, LayerSample
+
+    def layer(t):
+        return LayerProfile(signature="same", samples={4: LayerSample(fwd_s=t, bwd_s=2 * t)},
+                            tp_samples={4: LayerSample(fwd_s=t / 2, bwd_s=t)}, tp_times={4: [t / 4, t / 2]})
+    group = [layer(t) for t in (1.0, 5.0, 2.0)]
+    share_times_of_identical_layers(group)
+    for g in group:
+        assert (g.samples[4].fwd_s, g.samples[4].bwd_s) == (2.0, 4.0)
+        assert (g.tp_samples[4].fwd_s, g.tp_samples[4].bwd_s) == (1.0, 2.0)
+        assert g.tp_times[4] == [0.5, 1.0]
