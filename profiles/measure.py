@@ -259,6 +259,12 @@ class _Timer:
         return self.t
 
 
+def time_split(layer: nn.Module, match, mesh, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
+    """Forward and backward seconds of a copy of `layer` split over `mesh` by its tp_plan."""
+    split = apply_tp(copy_layer(layer), match, mesh)
+    return measure_time(split, split, x, opts)
+
+
 def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_seconds, timed: bool = True) -> LayerSample:
     """All size-dependent figures of one layer at the micro-batch size of x."""
     ckpt, sac = checkpointed_call(layer, "full"), checkpointed_call(layer, "selective")
@@ -573,14 +579,10 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                         # tiny Llama's summed TP times moved 24-30% between four profiles where
                         # its plain times moved 12-16%, 2026-12-04.)
                         if b in layers[i].tp_samples:
-                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_mesh)
                             sample = layers[i].tp_samples[b]
-                            sample.fwd_s, sample.bwd_s = measure_time(split, split, x, opts)
-                            del split
+                            sample.fwd_s, sample.bwd_s = time_split(layer, tp_matches[i], tp_mesh, x, opts)
                         if b in layers[i].tp_times:
-                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_timed_mesh)
-                            layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
-                            del split
+                            layers[i].tp_times[b] = list(time_split(layer, tp_matches[i], tp_timed_mesh, x, opts))
                 else:
                     seen[key] = i
                     layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)
@@ -593,9 +595,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                         layers[i].tp_samples[b] = measure_layer(split, x, opts, op_seconds)
                         del split
                         if not opts.fake and splits_evenly(layers[i].params, list(spec.tp_divides), TP_TIMED):
-                            split = apply_tp(copy_layer(layer), tp_matches[i], tp_timed_mesh)
-                            layers[i].tp_times[b] = list(measure_time(split, split, x, opts))
-                            del split
+                            layers[i].tp_times[b] = list(time_split(layer, tp_matches[i], tp_timed_mesh, x, opts))
                     if tp_mesh is not None and (edges[i][0] or edges[i][1]) and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
                         # Under sequence parallelism: the layers that run it, and those that
                         # receive a slice of the sequence (memory and collectives; no timing).
