@@ -61,9 +61,14 @@ def attention_flops(packet, args, kwargs, out) -> int:
     """A fused attention op's FLOPs by PyTorch's formula. Under grouped-query attention K and V
     hold fewer heads than Q (Llama 3: 8 and 32), which the formula refuses ("query/key/value
     shapes are incompatible", a CUDA profile of Llama 3 on an H200, 2026-12-04); every Q head
-    still attends over its group's K and V, so they count as repeated to Q's heads."""
-    q_at = 1 if "backward" in packet.__name__ else 0          # backward ops take grad_out first
-    heads = 1 if packet.__name__.startswith("_scaled_dot_product") else 2   # (B, H, S, D), else (B, S, H, D)
+    still attends over its group's K and V, so they count as repeated to Q's heads. Only the
+    SDPA kernels and the flash / efficient ones under them are so treated: their arguments
+    are (grad_out,) q, k, v, ... (flex_attention's backward takes grad_out later)."""
+    name = packet.__name__
+    if not name.startswith(("_scaled_dot_product", "_flash_attention", "_efficient_attention")):
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    q_at = 1 if "backward" in name else 0                     # their backward ops take grad_out first
+    heads = 1 if name.startswith("_scaled_dot_product") else 2   # (B, H, S, D), else (B, S, H, D)
     args = list(args)
     q = args[q_at]
     for i in (q_at + 1, q_at + 2):
