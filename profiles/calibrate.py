@@ -367,9 +367,9 @@ MATMUL_SHAPES = tuple((d, d, d) for d in (256, 512, 1024, 2048, 4096, 8192)) + (
 ATTENTION_SHAPES = ((8, 16, 1024, 128), (4, 32, 2048, 128), (1, 32, 4096, 128), (1, 32, 8192, 128), (1, 64, 4096, 128))
 
 
-def attention_rate(batch: int, heads: int, seq: int, head_dim: int, repeats: int = 10) -> tuple[float, float]:
-    """(FLOP/s, FLOPs) of causal bf16 scaled_dot_product_attention forward and backward on the
-    GPU, the FLOPs as PyTorch's counter (and so the profile) counts them."""
+def attention_rate(batch: int, heads: int, seq: int, head_dim: int, repeats: int = 10) -> float:
+    """FLOP/s of causal bf16 scaled_dot_product_attention forward and backward on the GPU, the
+    FLOPs as PyTorch's counter (and so the profile) counts them."""
     import torch
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
@@ -382,7 +382,7 @@ def attention_rate(batch: int, heads: int, seq: int, head_dim: int, repeats: int
     with FlopCounterMode(display=False) as counter:
         step()
     flops = float(counter.get_total_flops())
-    return flops / median_time(step, repeats, sync=torch.cuda.synchronize), flops
+    return flops / median_time(step, repeats, sync=torch.cuda.synchronize)
 
 
 def host_to_device_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -530,8 +530,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         on_progress("attention")
         shares = []
         for shape in ATTENTION_SHAPES:
-            rate, _ = attention_rate(*shape)
-            shares.append((shape, rate / hw.bf16_flops))
+            shares.append((shape, attention_rate(*shape) / hw.bf16_flops))
         shown = ", ".join(f"{'x'.join(map(str, sh))}: {100 * f:.0f}%" for sh, f in shares)
         # The counter counts a causal kernel's skipped half too, so the share could pass 1 on a fast kernel.
         put("attention_efficiency", min(1.0, statistics.median(f for _, f in shares)),
