@@ -144,7 +144,8 @@ def profile(
         else:
             spec = load_model_file(model)
         opts = ProfileOptions(batch_sizes=sizes, optimizer=optimizer, precision=precision, device=device,
-                              fake=fake, hardware=hardware, repeats=repeats, threads=threads)
+                              fake=fake, hardware=hardware, repeats=repeats, threads=threads,
+                              op_launch_s=hw.op_launch_s if fake else 0.0)
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("profiling", total=None)

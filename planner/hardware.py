@@ -82,14 +82,15 @@ _FIELD_KINDS: dict[str, str] = {
     "memory_efficiency": "fraction",
     "pipeline_overhead_s": "seconds",
     "pipeline_contention_s": "seconds",
+    "op_launch_s": "seconds",
 }
-_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s", "pipeline_contention_s"}
+_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s", "pipeline_contention_s", "op_launch_s"}
 # Fields a cluster file without a base may leave out, and what they then are: rates at the
 # datasheet's peak, collectives hidden behind compute (the assumptions before they existed).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "host_cores": 64.0, "collective_overlap": 1.0, "matmul_efficiency": 1.0, "matmul_knee": 1,
     "attention_efficiency": 1.0, "memory_efficiency": 1.0, "pipeline_overhead_s": 0.0,
-    "pipeline_contention_s": 0.0,
+    "pipeline_contention_s": 0.0, "op_launch_s": 0.0,
 }
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _INT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("size", "count"))
@@ -176,6 +177,7 @@ class Hardware:
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
     pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
     pipeline_contention_s: float = 0.0  # CPU processes: what each action adds in a slot whose busy ranks fill the cores (a woken stage waits for one)
+    op_launch_s: float = 0.0         # the host's time to issue one op in eager PyTorch: fake-mode layers take no less than their ops' count times it
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 
@@ -543,6 +545,10 @@ _PIPE_GPU = ("not measured on a GPU yet (0): the schedule's per-micro-batch book
              "send latency of the link figures; `plan calibrate --device cuda` will measure it")
 _CONTENTION_GPU = ("not applicable (0): GPU ranks do not share cores; a pipeline stage woken by its receive "
                    "waits for no other rank's compute")
+_LAUNCH_GPU = ("measured through one H200's host (bench/gpu_check.sh, 2026-12-04; bench/results/gpu_fake.md): "
+               "a ~1B GPT block at micro-batch 1 took 2.49 ms forward and backward, its 452 dispatched ops 0.63 ms "
+               "at this preset's rates, so 5.5 us an op issued. The host sets it, not the GPU: another host of "
+               "the same GPU was about 2x slower. `plan calibrate --device cuda` measures it on yours")
 _HBM_EFF = ("engineering estimate: streaming copies reach about 90% of the HBM datasheet figure on Ampere "
             "and Hopper parts (a 4 GiB device copy is a typical measurement); `plan calibrate --device cuda` "
             "measures it")
@@ -614,6 +620,7 @@ def _hopper_sources(gpu: str, ds: str, memory_src: str, hbm_src: str, bf16_src: 
             "TB/s of the datasheet's 4.8 = 0.84-0.87"),
         "pipeline_overhead_s": _PIPE_GPU,
         "pipeline_contention_s": _CONTENTION_GPU,
+        "op_launch_s": _LAUNCH_GPU,
     }
 
 
@@ -649,6 +656,7 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
         "memory_efficiency": _HBM_EFF,
         "pipeline_overhead_s": _PIPE_GPU,
         "pipeline_contention_s": _CONTENTION_GPU,
+        "op_launch_s": _LAUNCH_GPU,
     }
 
 
@@ -693,7 +701,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
-        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9, op_launch_s=5.5e-6,
         sources=_hopper_sources(
             "H100", _H100_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H100 80GB HBM3' = 81559 MiB (as printed in public "
@@ -721,7 +729,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
-        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.85,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.85, op_launch_s=5.5e-6,
         sources=_hopper_sources(
             "H200", _H200_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H200' = 143771 MiB (as printed in public nvidia-smi "
@@ -749,7 +757,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=5.5e-6,
         sources=_ampere_sources(
             "80GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-80GB' = 81920 MiB (as printed in public nvidia-smi logs)",
@@ -773,7 +781,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=1 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=5.5e-6,
         sources=_ampere_sources(
             "40GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-40GB' = 40960 MiB (as printed in public nvidia-smi logs)",
@@ -797,7 +805,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=768 * GiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=96.0, collective_overlap=1.0, matmul_efficiency=0.7, matmul_knee=128, attention_efficiency=0.5, memory_efficiency=0.9,
+        host_cores=96.0, collective_overlap=1.0, matmul_efficiency=0.7, matmul_knee=128, attention_efficiency=0.5, memory_efficiency=0.9, op_launch_s=5.5e-6,
         sources={
             "name": "preset for an 8x L4 PCIe node (AWS g6.48xlarge-like)",
             "device_type": "CUDA GPU",
@@ -828,6 +836,7 @@ PRESETS: dict[str, Hardware] = {
             "memory_efficiency": _HBM_EFF,
             "pipeline_overhead_s": _PIPE_GPU,
             "pipeline_contention_s": _CONTENTION_GPU,
+            "op_launch_s": _LAUNCH_GPU,
         },
     ),
     "cpu": Hardware(
@@ -850,6 +859,7 @@ PRESETS: dict[str, Hardware] = {
         collective_overlap=0.0,
         pipeline_overhead_s=0.000929,
         pipeline_contention_s=0.000718,
+        op_launch_s=6.3e-06,
         collectives=_CPU_COLLECTIVES,
         sources={
             "name": "preset for plans executed as CPU processes with gloo (tests, a 2-core dev machine)",
@@ -895,6 +905,9 @@ PRESETS: dict[str, Hardware] = {
                                       "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
                                       "(calibrate.pipeline_contention_s; 0-1.7 ms in eleven runs that day, 0.45-1.7 but one: "
                                       "the figure is as noisy as this VM)"),
+            "op_launch_s": ("measured on the same machine with calibrate.op_launch_seconds() (2026-12-05, 1 thread): "
+                            "6.3 us an op, the median of five; used only by fake-mode profiles with this preset "
+                            "(CPU layers are timed where they run)"),
         },
     ),
 }

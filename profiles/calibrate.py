@@ -411,6 +411,30 @@ def adamw_params_per_s(total: int = 16 * 2**20, tensors: int = 16, repeats: int 
     return total / median_time(opt.step, repeats)
 
 
+def op_launch_seconds(device: str = "cpu", repeats: int = 50) -> float:
+    """The host's time to issue one op in eager PyTorch: a forward and backward of a small
+    block (norm, two linear layers, GELU, a residual) on 2 x 16 values, whose kernels take
+    less than issuing them, over the ops it dispatches as a fake profile counts them (OpCost:
+    views too)."""
+    import torch
+    from torch import nn
+
+    from .flops import OpCost
+    block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(device)
+    x = torch.randn(2, 16, device=device, requires_grad=True)
+    grad = torch.ones(2, 16, device=device)
+
+    def step() -> None:
+        for p in (x, *block.parameters()):
+            p.grad = None
+        (x + block(x)).backward(grad)
+    step()                                 # grads exist from here on, as in every step
+    with OpCost() as ops:
+        step()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return median_time(step, repeats, sync=sync) / ops.ops
+
+
 def _matmul_rate(n: int, seconds: float) -> float:
     """FLOP/s of back-to-back n^3 fp32 matmuls on one thread, over `seconds` of wall time."""
     import torch
@@ -469,6 +493,11 @@ def host_memory_bytes() -> int:
 # The whole calibration
 # ---------------------------------------------------------------------------------------------
 
+_LAUNCH_HOW = ("a forward and backward of a LayerNorm-Linear-GELU-Linear block with a residual on 2 x 16 values "
+               "(its kernels shorter than issuing them) / the ops it dispatches, views included, as a fake profile "
+               "counts them")
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     hardware: Hardware
@@ -507,6 +536,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
             # A step on the "device" and the same step "offloaded" to this same CPU cost the same.
             put("hbm_bandwidth", adam * 28, "the fused AdamW rate x the 28 bytes it moves per fp32 parameter")
             put("host_to_device_bandwidth", copy_bandwidth() / 2, "bytes moved / t of a 256 MiB copy_, 1 thread")
+            put("op_launch_s", op_launch_seconds(), _LAUNCH_HOW)
         finally:
             torch.set_num_threads(threads)
         put("host_memory_bytes", host_memory_bytes(), "MemTotal in /proc/meminfo")
@@ -542,6 +572,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         put("host_to_device_bandwidth", host_to_device_bandwidth(), "bytes / t of a 1 GiB pinned host tensor copied to the GPU")
         put("cpu_adam_params_per_s", adamw_params_per_s(total=64 * 2**20, repeats=3),
             f"fused torch.optim.AdamW step on 64M fp32 parameters on the host, {torch.get_num_threads()} threads")
+        put("op_launch_s", op_launch_seconds("cuda"), _LAUNCH_HOW)
         best = max(r for *_, r in points)
         notes.append(f"best matmul {best / 1e12:.0f} TFLOP/s bf16 ({100 * best / hw.bf16_flops:.0f}% of the datasheet's dense peak); "
                      f"fitted: {100 * eff:.1f}% of peak, knee {knee}, worst miss {100 * res:.0f}%")

@@ -5,8 +5,9 @@
 copies), the bytes they read and write. Given `op_seconds` (a hardware's achievable rates,
 `Hardware.op_seconds`), it also adds up each op's time on its own: a matmul's FLOPs at the
 rate its (m, n, k) shape reaches, attention's at the fused kernels' rate, the other ops'
-bytes at the achievable memory bandwidth. That is how fake-mode profiles get times; the
-planner moves times measured on one device to another with the totals.
+bytes at the achievable memory bandwidth; and a layer's ops take at least the host's time to
+issue them (`Hardware.op_launch_s` each). That is how fake-mode profiles get times; the planner
+moves times measured on one device to another with the totals.
 
 PyTorch's counter has no formula for the CPU flash-attention kernels; they are registered
 here with the same formulas it uses for the CUDA ones.
@@ -112,9 +113,17 @@ def matmul_shape(packet, args) -> tuple[int, int, int] | None:
 
 class OpCost(CountingMode):
     """Sum FLOPs of matmul-like ops, bytes moved by the other ops, and TP collectives' traffic; with
-    `op_seconds(kind, flops, io_bytes, mnk)`, also each op's achievable time (`seconds`)."""
+    `op_seconds(kind, flops, io_bytes, mnk)`, also the ops' achievable time (`seconds`).
 
-    def __init__(self, op_seconds=None) -> None:
+    That time is the larger of the ops' device time (each op's own, added up) and the host's
+    time to issue them, `launch_s` for every op dispatched (views too: each is a Python and
+    dispatcher call). Eager PyTorch queues kernels while the host runs ahead, so a run of ops
+    takes whichever is longer; adding the two instead would double-count. On one H200
+    (bench/results/gpu_fake.md) a ~1B GPT block at micro-batch 4 measured 2.46 ms forward and
+    backward, its ops 2.35 ms at the preset's rates and 452 dispatched ops at 5 us 2.26 ms:
+    their sum would be 4.6. At micro-batch 1 the block measured 2.49 ms, its ops 0.63."""
+
+    def __init__(self, op_seconds=None, launch_s: float = 0.0) -> None:
         super().__init__()
         self.flops = 0
         self.io_bytes = 0
@@ -123,7 +132,14 @@ class OpCost(CountingMode):
         self.gather_scatter_bytes = 0    # all-gathers (bytes of the whole output) and reduce-scatters (of the whole input)
         self.gather_scatter_count = 0
         self.op_seconds = op_seconds
-        self.seconds = 0.0
+        self.launch_s = launch_s
+        self.device_seconds = 0.0        # the ops' own times, added up
+        self.ops = 0                     # ops dispatched (what the host issues)
+
+    @property
+    def seconds(self) -> float:
+        """The ops' achievable time: their device time, or the host's time to issue them if longer."""
+        return max(self.device_seconds, self.ops * self.launch_s)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Let DTensor lower itself first, so that the local (sharded) ops are what is counted.
@@ -133,6 +149,7 @@ class OpCost(CountingMode):
         out = func(*args, **kwargs)
         if ShapePropagation.depth:
             return out
+        self.ops += 1
         packet = func.overloadpacket
         if packet in _ALL_REDUCE:
             self.all_reduce_bytes += _tensor_bytes([args[0]])
@@ -147,7 +164,7 @@ class OpCost(CountingMode):
                 int(flop_registry[packet](*args, **kwargs, out_val=out))
             self.flops += flops
             if self.op_seconds is not None:
-                self.seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
+                self.device_seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
         elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
             outs, _ = tree_flatten(out)
             if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
@@ -155,5 +172,5 @@ class OpCost(CountingMode):
                 io = _tensor_bytes(ins) + _tensor_bytes(outs)
                 self.io_bytes += io
                 if self.op_seconds is not None:
-                    self.seconds += self.op_seconds("memory", 0, io, None)
+                    self.device_seconds += self.op_seconds("memory", 0, io, None)
         return out

@@ -14,7 +14,8 @@ from `make_batch`, in the dtype and on the device it will train on:
      warm-up, with CUDA events on a GPU.
 
 In fake mode (FakeTensorMode) nothing is allocated; memory and FLOPs are exact and times come
-from a hardware preset's achievable rates, op by op (`Hardware.op_seconds`).
+from a hardware preset's achievable rates, op by op (`Hardware.op_seconds`), and no faster than
+the host issues the ops (`Hardware.op_launch_s`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ProfileOptions:
     device: str = "cpu"             # cpu | cuda
     fake: bool = False              # FakeTensorMode: no allocation, roofline times
     hardware: str | None = None     # preset for fake-mode times
+    op_launch_s: float = 0.0        # fake mode: the host's time to issue one op (that preset's op_launch_s)
     warmup: int = 2
     repeats: int = 5
     threads: int = 1                # intra-op threads to time with: the runtime runs one per process on CPU
@@ -197,13 +199,13 @@ def measure_memory(fn: Callable, module: nn.Module, x: torch.Tensor, extra=()) -
     return fig
 
 
-def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None) -> tuple[OpCost, OpCost]:
+def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None, launch_s: float = 0.0) -> tuple[OpCost, OpCost]:
     """FLOPs, memory traffic and all-reduce traffic of fn's forward and of its backward (and
-    their achievable times, given `op_seconds`)."""
+    their achievable times, given `op_seconds` and the host's `launch_s` an op: OpCost)."""
     x_in = _fresh_input(x)
-    with OpCost(op_seconds) as fwd:
+    with OpCost(op_seconds, launch_s) as fwd:
         out = fn(x_in)
-    bwd = OpCost(op_seconds)
+    bwd = OpCost(op_seconds, launch_s)
     if out.requires_grad:
         grad = torch.ones_like(out)
         with bwd:
@@ -273,8 +275,8 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
     plain = [measure_memory(layer, layer, x) for _ in range(2)][-1]
     ck = [measure_memory(ckpt, layer, x) for _ in range(2)][-1]
     sel = [measure_memory(sac, layer, x) for _ in range(2)][-1]
-    fwd, bwd = measure_cost(layer, x, op_seconds)
-    _, sac_bwd = measure_cost(sac, x, op_seconds)
+    fwd, bwd = measure_cost(layer, x, op_seconds, opts.op_launch_s)
+    _, sac_bwd = measure_cost(sac, x, op_seconds, opts.op_launch_s)
     if opts.fake or not timed:
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
         sac_bwd_s = sac_bwd.seconds
@@ -310,7 +312,7 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
         return loss_fn(out, targets)
 
     m = [measure_memory(fn, empty, output, extra=(targets,)) for _ in range(2)][-1]
-    fwd, bwd = measure_cost(fn, output, op_seconds)
+    fwd, bwd = measure_cost(fn, output, op_seconds, opts.op_launch_s)
     if opts.fake:
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
     else:
@@ -527,7 +529,8 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
 
     `on_progress(message, total)` is called before each of `total` units of work. In fake
     mode the times are `op_seconds(kind, flops, io_bytes, (m, n, k) | None)` summed over the
-    ops (`Hardware.op_seconds`: achievable rates, not peaks).
+    ops (`Hardware.op_seconds`: achievable rates, not peaks), or `opts.op_launch_s` an op
+    where the host's issuing them takes longer (OpCost).
     """
     with _threads(opts.threads):
         return _profile_model(spec, opts, on_progress, op_seconds)

@@ -418,12 +418,14 @@ def test_calibration_rates_run_and_give_plausible_figures():
         flops = calibrate.matmul_flops(torch.float32, 256, 256, 256, repeats=3)
         copy = calibrate.copy_bandwidth(nbytes=16 * 2**20, repeats=3)
         adam = calibrate.adamw_params_per_s(total=2**18, tensors=4, repeats=2)
+        launch = calibrate.op_launch_seconds(repeats=5)
     finally:
         torch.set_num_threads(threads)
     # one core of anything that runs these tests: between 100 MFLOP/s and 10 TFLOP/s, etc.
     assert 1e8 < flops < 1e13
     assert 1e8 < copy < 1e12
     assert 1e6 < adam < 1e11
+    assert 1e-7 < launch < 1e-3          # eager PyTorch issues an op in about 1-50 us
     assert calibrate.host_memory_bytes() > 0
     # the names the calibration writes are Hardware's field names
     source = (ROOT / "profiles" / "calibrate.py").read_text()

@@ -301,6 +301,58 @@ def test_fake_profile_times_op_by_op_and_mfu_never_exceeds_the_tables_ceiling(tm
             assert 0 < sol.prediction.mfu <= best
 
 
+def test_op_cost_is_the_ops_device_time_or_the_hosts_time_to_issue_them():
+    """A run of ops takes the longer of its kernels' time and the host's issuing them, one
+    launch_s an op dispatched, views included: small ops cost their count, a large matmul its FLOPs."""
+    torch = pytest.importorskip("torch")
+    from profiles.flops import OpCost
+
+    def rates(kind, flops, io, mnk):       # 1 ns a FLOP or a byte
+        return 1e-9 * (flops + io)
+    x = torch.randn(2, 4)
+    with OpCost(rates, launch_s=1e-3) as small:
+        y = torch.relu(x @ torch.ones(4, 4)).view(8).t()
+        del y
+    assert small.ops == 5                   # ones, mm, relu, view, t
+    assert small.device_seconds < small.seconds == pytest.approx(5e-3)
+    a = torch.randn(256, 256)
+    with OpCost(rates, launch_s=1e-3) as big:
+        a @ a
+    assert big.ops == 1 and big.seconds == big.device_seconds == pytest.approx(1e-9 * 2 * 256**3)
+
+
+def test_fake_profile_layers_take_no_less_than_the_host_issues_their_ops():
+    """Fake-mode layers with op_launch_s: each time is the larger of the ops' device time (the
+    profile without it) and the ops' count (a profile timing every op at 1 us, no device time)
+    times op_launch_s; the launch-bound small micro-batches grow, the large ones keep their rates."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+
+    hw = PRESETS["h100-sxm-80g"]
+    spec = load_model_file(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    device_s = lambda kind, flops, io, mnk: hw.op_seconds("mixed", kind, flops, io, mnk)  # noqa: E731
+
+    def fake(rates, launch_s):
+        opts = ProfileOptions(batch_sizes=(1, 512), fake=True, hardware=hw.name, precision="mixed", op_launch_s=launch_s)
+        return profile_model(spec, opts, op_seconds=rates)
+    device, counts = fake(device_s, 0.0), fake(lambda *_: 0.0, 1e-6)
+    floor = 0.5e-6                          # a GPT block: ~130 forward ops, 0.4 us at b 1 and 100 at b 512
+    both = fake(device_s, floor)
+    grew = kept = 0
+    for d, n, t in zip(device.layers + [device.loss], counts.layers + [counts.loss], both.layers + [both.loss]):
+        for b in (1, 512):
+            for phase in ("fwd_s", "bwd_s"):
+                ops = round(getattr(n.at(b), phase) * 1e6)
+                want = max(getattr(d.at(b), phase), ops * floor)
+                assert getattr(t.at(b), phase) == pytest.approx(want, rel=1e-9)
+                grew += want > getattr(d.at(b), phase)
+                kept += want == getattr(d.at(b), phase)
+    assert grew and kept                    # both regimes occur in this model
+
+
 def test_fsdp_units_cost_their_measured_hooks_and_copies():
     prof = tiny_profile()
     for lp in prof.layers:
