@@ -6,7 +6,7 @@ docs/hf-models.md is costed so). Here the same models were profiled on one H200
 (bench/gpu_check.sh, 2026-12-04): a ~1B GPT at 1024 tokens and 4 of Llama 3 8B's layers at
 4096 tokens, mixed precision. This profiles them again in fake mode with the H200 preset
 (matmuls at MAMF's best-shape 80.1%, attention at FlashAttention-2's 35%, memory at the 85% of
-HBM the check measured, and no layer faster than the host issues its ops at 5.5 us each), with
+HBM the check measured, and no layer faster than the host issues its ops at 18.7 us each), with
 the ops' device time alone (no host floor) and with the attention rate the check measured (0.8),
 and compares each kind of layer's forward + backward time, and the step the planner predicts for
 the plain layout the check ran, with what was measured. Its last section is where the preset's

@@ -193,9 +193,11 @@ class CostModel:
     def _times(self, s: LayerSample) -> tuple[float, float]:
         if self.measured_here:
             return s.fwd_s, s.bwd_s
-        # Measured elsewhere: the totals at this hardware's best achievable rates.
+        # Measured elsewhere: the totals at this hardware's best achievable rates, and no less
+        # than its host issues the ops (as in a fake profile, flops.OpCost; 0 ops: not counted).
         hw, p = self.hw, self.precision
-        return (hw.op_seconds(p, "other", s.fwd_flops, s.fwd_io_bytes), hw.op_seconds(p, "other", s.bwd_flops, s.bwd_io_bytes))
+        return (max(hw.op_seconds(p, "other", s.fwd_flops, s.fwd_io_bytes), s.fwd_ops * hw.op_launch_s),
+                max(hw.op_seconds(p, "other", s.bwd_flops, s.bwd_io_bytes), s.bwd_ops * hw.op_launch_s))
 
     def _link(self, group_span: int) -> tuple[float, float]:
         """Bandwidth and latency for a group whose ranks span `group_span` consecutive ranks."""

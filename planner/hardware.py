@@ -546,8 +546,9 @@ _PIPE_GPU = ("not measured on a GPU yet (0): the schedule's per-micro-batch book
 _CONTENTION_GPU = ("not applicable (0): GPU ranks do not share cores; a pipeline stage woken by its receive "
                    "waits for no other rank's compute")
 _LAUNCH_GPU = ("measured through one H200's host (bench/gpu_check.sh, 2026-12-04; bench/results/gpu_fake.md): "
-               "a ~1B GPT block at micro-batch 1 took 2.49 ms forward and backward, its 452 dispatched ops 0.63 ms "
-               "at this preset's rates, so 5.5 us an op issued. The host sets it, not the GPU: another host of "
+               "a ~1B GPT block at micro-batch 1 took 2.49 ms forward and backward, its 133 dispatched ops 0.63 ms "
+               "at this preset's rates, so 18.7 us an op issued (the module calls, autograd's bookkeeping and the "
+               "backward's own thread included, and part of the timing harness's fixed cost a timed call). The host sets it, not the GPU: another host of "
                "the same GPU was about 2x slower. `plan calibrate --device cuda` measures it on yours")
 _HBM_EFF = ("engineering estimate: streaming copies reach about 90% of the HBM datasheet figure on Ampere "
             "and Hopper parts (a 4 GiB device copy is a typical measurement); `plan calibrate --device cuda` "
@@ -701,7 +702,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
-        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9, op_launch_s=5.5e-6,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.9, op_launch_s=18.7e-6,
         sources=_hopper_sources(
             "H100", _H100_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H100 80GB HBM3' = 81559 MiB (as printed in public "
@@ -729,7 +730,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=64e9,
         cpu_adam_params_per_s=1.37e9,
-        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.85, op_launch_s=5.5e-6,
+        host_cores=112.0, collective_overlap=1.0, matmul_efficiency=0.801, matmul_knee=128, attention_efficiency=0.35, memory_efficiency=0.85, op_launch_s=18.7e-6,
         sources=_hopper_sources(
             "H200", _H200_DS,
             memory_src=("nvidia-smi memory.total of 'NVIDIA H200' = 143771 MiB (as printed in public nvidia-smi "
@@ -757,7 +758,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=2 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=5.5e-6,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=18.7e-6,
         sources=_ampere_sources(
             "80GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-80GB' = 81920 MiB (as printed in public nvidia-smi logs)",
@@ -781,7 +782,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=1 * TiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=5.5e-6,
+        host_cores=128.0, collective_overlap=1.0, matmul_efficiency=0.859, matmul_knee=128, attention_efficiency=0.6, memory_efficiency=0.9, op_launch_s=18.7e-6,
         sources=_ampere_sources(
             "40GB",
             memory_src="nvidia-smi memory.total of 'NVIDIA A100-SXM4-40GB' = 40960 MiB (as printed in public nvidia-smi logs)",
@@ -805,7 +806,7 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=768 * GiB,
         host_to_device_bandwidth=32e9,
         cpu_adam_params_per_s=0.914e9,
-        host_cores=96.0, collective_overlap=1.0, matmul_efficiency=0.7, matmul_knee=128, attention_efficiency=0.5, memory_efficiency=0.9, op_launch_s=5.5e-6,
+        host_cores=96.0, collective_overlap=1.0, matmul_efficiency=0.7, matmul_knee=128, attention_efficiency=0.5, memory_efficiency=0.9, op_launch_s=18.7e-6,
         sources={
             "name": "preset for an 8x L4 PCIe node (AWS g6.48xlarge-like)",
             "device_type": "CUDA GPU",

@@ -117,11 +117,12 @@ class OpCost(CountingMode):
 
     That time is the larger of the ops' device time (each op's own, added up) and the host's
     time to issue them, `launch_s` for every op dispatched (views too: each is a Python and
-    dispatcher call). Eager PyTorch queues kernels while the host runs ahead, so a run of ops
+    dispatcher call; not metadata queries, which a fake tensor dispatches and a real one does
+    not: counted, they made a fake GPT block's count 3.4x a real one's). Eager PyTorch queues kernels while the host runs ahead, so a run of ops
     takes whichever is longer; adding the two instead would double-count. On one H200
     (bench/results/gpu_fake.md) a ~1B GPT block at micro-batch 4 measured 2.46 ms forward and
-    backward, its ops 2.35 ms at the preset's rates and 452 dispatched ops at 5 us 2.26 ms:
-    their sum would be 4.6. At micro-batch 1 the block measured 2.49 ms, its ops 0.63."""
+    backward, its ops 2.35 ms at the preset's rates and 133 dispatched ops at 18.7 us 2.49 ms:
+    their sum would be 4.8. At micro-batch 1 the block measured 2.49 ms, its ops 0.63."""
 
     def __init__(self, op_seconds=None, launch_s: float = 0.0) -> None:
         super().__init__()
@@ -149,7 +150,9 @@ class OpCost(CountingMode):
         out = func(*args, **kwargs)
         if ShapePropagation.depth:
             return out
-        self.ops += 1
+        outs, _ = tree_flatten(out)
+        if func.namespace != "prim" and any(isinstance(t, torch.Tensor) for t in outs):
+            self.ops += 1      # metadata queries (a fake tensor's prim.device, sizes) issue nothing
         packet = func.overloadpacket
         if packet in _ALL_REDUCE:
             self.all_reduce_bytes += _tensor_bytes([args[0]])
@@ -166,7 +169,6 @@ class OpCost(CountingMode):
             if self.op_seconds is not None:
                 self.device_seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
         elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
-            outs, _ = tree_flatten(out)
             if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
                 ins, _ = tree_flatten((args, kwargs))
                 io = _tensor_bytes(ins) + _tensor_bytes(outs)

@@ -78,6 +78,8 @@ class LayerSample:
     bwd_flops: int = 0
     fwd_io_bytes: int = 0      # bytes the forward's ops read and write (roofline's memory term)
     bwd_io_bytes: int = 0
+    fwd_ops: int = 0           # ops the forward dispatches, views too: the host issues each (Hardware.op_launch_s); 0 where not counted
+    bwd_ops: int = 0
     tp_fwd_comm_bytes: int = 0  # bytes the tensor-parallel all-reduces of the forward carry (tp samples only)
     tp_bwd_comm_bytes: int = 0
     tp_fwd_comm_count: int = 0  # number of those all-reduces
@@ -104,6 +106,10 @@ TIME_FIELDS = {"fwd_s", "bwd_s", "sac_recompute_s"}
 TP_FIXED_FIELDS = {"input_bytes", "output_bytes", "saved_input_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
 # ... except the output of a layer whose "vocab" head leaves its logits split: that shrinks.
 OUTPUT_FIELDS = {"output_bytes", "saved_output_bytes", "sac_saved_output_bytes"}
+# Op counts do not shrink with the degree either: each rank issues every op of its shard. Under
+# tensor (and sequence) parallelism they are the counts measured under it, DTensor's own ops and
+# the collectives included, at any degree.
+OP_COUNT_FIELDS = {"fwd_ops", "bwd_ops"}
 
 
 @dataclass
@@ -203,7 +209,9 @@ class LayerProfile(Sampled):
         profile does not time layers under sequence parallelism; docs/cost-model.md)."""
         if sequence_parallel and tp > 1 and self.sp_samples:
             # The layer's input and output are split too: no figure is held at its t = 1 value.
-            vals = split_between(self.at(b), self._sp.at(b), tp, fixed=set())
+            sp = self._sp.at(b)
+            vals = split_between(self.at(b), sp, tp, fixed=set())
+            vals.update({name: getattr(sp, name) for name in OP_COUNT_FIELDS})
             if not sequence_times:
                 base = self.at_tp(b, tp)
                 vals.update({name: getattr(base, name) for name in TIME_FIELDS})
@@ -213,6 +221,7 @@ class LayerProfile(Sampled):
             return one
         two = self._tp.at(b)
         vals = split_between(one, two, tp, fixed=TP_FIXED_FIELDS - OUTPUT_FIELDS if self.vocab_head else TP_FIXED_FIELDS)
+        vals.update({name: getattr(two, name) for name in OP_COUNT_FIELDS})
         if self.tp_times:
             # f(t) = r + s/t through f(TP_MEASURED) and f(TP_TIMED), both under DTensor.
             lo, hi = TP_MEASURED, TP_TIMED
@@ -251,7 +260,10 @@ class LossProfile(Sampled):
         if tp == 1 or not self.split_samples:
             return self.at(b)
         lo, hi = TP_MEASURED, TP_TIMED
-        return LayerSample(**split_between(self._split[lo].at(b), self._split[hi].at(b), tp, fixed=set(), degrees=(lo, hi)))
+        at_lo = self._split[lo].at(b)
+        vals = split_between(at_lo, self._split[hi].at(b), tp, fixed=set(), degrees=(lo, hi))
+        vals.update({name: getattr(at_lo, name) for name in OP_COUNT_FIELDS})
+        return LayerSample(**vals)
 
 
 def split_between(one: LayerSample, two: LayerSample, tp: int, fixed: set[str],

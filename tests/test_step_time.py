@@ -13,7 +13,7 @@ import pytest
 from planner.cost import Candidate, CostModel
 from planner.hardware import PRESETS, CollectiveFit, Hardware, load_cluster_file
 from profiles.calibrate import Calibration, cluster_file_text, fit_collectives, fit_latency_bandwidth, fit_matmul
-from synthetic import random_profile
+from synthetic import add_tensor_parallel_samples, random_profile
 
 
 def tiny_profile():
@@ -339,7 +339,7 @@ def test_fake_profile_layers_take_no_less_than_the_host_issues_their_ops():
         opts = ProfileOptions(batch_sizes=(1, 512), fake=True, hardware=hw.name, precision="mixed", op_launch_s=launch_s)
         return profile_model(spec, opts, op_seconds=rates)
     device, counts = fake(device_s, 0.0), fake(lambda *_: 0.0, 1e-6)
-    floor = 0.5e-6                          # a GPT block: ~130 forward ops, 0.4 us at b 1 and 100 at b 512
+    floor = 0.5e-6                          # a GPT block: 39 forward ops, 0.4 us at b 1 and 100 at b 512
     both = fake(device_s, floor)
     grew = kept = 0
     for d, n, t in zip(device.layers + [device.loss], counts.layers + [counts.loss], both.layers + [both.loss]):
@@ -351,6 +351,42 @@ def test_fake_profile_layers_take_no_less_than_the_host_issues_their_ops():
                 grew += want > getattr(d.at(b), phase)
                 kept += want == getattr(d.at(b), phase)
     assert grew and kept                    # both regimes occur in this model
+
+
+def test_times_moved_to_another_device_take_no_less_than_its_host_issues_the_ops():
+    """A CPU profile planned for a GPU: each layer's forward is its FLOPs and bytes at the
+    GPU's rates or its counted ops at op_launch_s each, the larger; uncounted (0) is no floor.
+    Under TP the counts are those measured under it, at every degree."""
+    prof = add_tensor_parallel_samples(random.Random(2), tiny_profile())
+    for lp in prof.layers:                   # the ops tiny layers dispatch, measured under TP and SP too
+        for s in lp.samples.values():
+            s.fwd_ops, s.bwd_ops = 40, 90
+        for s in lp.tp_samples.values():
+            s.fwd_ops, s.bwd_ops = 55, 120
+        for s in lp.sp_samples.values():
+            s.fwd_ops, s.bwd_ops = 60, 130
+        lp.refit()
+    hw = PRESETS["h100-sxm-80g"]
+    assert prof.device_type == "cpu" and hw.op_launch_s > 0
+    gpu = CostModel(prof, hw, 8, 1 << 40)
+    assert not gpu.measured_here
+    cand = Candidate(1, 1, 1, 1, 4, 0, "1f1b", False, False)
+    for i, lp in enumerate(prof.layers):
+        s = lp.at(1)
+        roofline = hw.op_seconds(prof.precision, "other", s.fwd_flops, s.fwd_io_bytes)
+        assert gpu.layer(cand, i, "none", False).forward_s == pytest.approx(max(roofline, 40 * hw.op_launch_s))
+    assert any(hw.op_seconds(prof.precision, "other", lp.at(1).fwd_flops, lp.at(1).fwd_io_bytes) < 40 * hw.op_launch_s
+               for lp in prof.layers)        # the floor binds somewhere here
+    for lp in prof.layers:
+        for t in (2, 4, 8):
+            assert (lp.at_tp(1, t).fwd_ops, lp.at_tp(1, t).bwd_ops) == (55, 120)
+            assert (lp.at_tp(3, t, sequence_parallel=True).fwd_ops, lp.at_tp(3, t, sequence_parallel=True).bwd_ops) == (60, 130)
+    old = tiny_profile()                     # a profile from before ops were counted: 0 each
+    uncounted = CostModel(old, hw, 8, 1 << 40)
+    for i, lp in enumerate(old.layers):
+        s = lp.at(1)
+        assert uncounted.layer(cand, i, "none", False).forward_s == pytest.approx(
+            hw.op_seconds(prof.precision, "other", s.fwd_flops, s.fwd_io_bytes))
 
 
 def test_fsdp_units_cost_their_measured_hooks_and_copies():
