@@ -177,7 +177,7 @@ class Hardware:
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
     pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
     pipeline_contention_s: float = 0.0  # CPU processes: what each action adds in a slot whose busy ranks fill the cores (a woken stage waits for one)
-    op_launch_s: float = 0.0         # the host's time to issue one op in eager PyTorch: fake-mode layers take no less than their ops' count times it
+    op_launch_s: float = 0.0         # the host's time to issue one op in eager PyTorch: fake-mode and moved layer times take no less than their ops' count times it
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
 

@@ -151,8 +151,9 @@ class OpCost(CountingMode):
         if ShapePropagation.depth:
             return out
         outs, _ = tree_flatten(out)
-        if func.namespace != "prim" and any(isinstance(t, torch.Tensor) for t in outs):
-            self.ops += 1      # metadata queries (a fake tensor's prim.device, sizes) issue nothing
+        if func.namespace == "prim" or not any(isinstance(t, torch.Tensor) for t in outs):
+            return out         # metadata queries (a fake tensor's prim.device, sizes) issue and move nothing
+        self.ops += 1
         packet = func.overloadpacket
         if packet in _ALL_REDUCE:
             self.all_reduce_bytes += _tensor_bytes([args[0]])
@@ -168,11 +169,10 @@ class OpCost(CountingMode):
             self.flops += flops
             if self.op_seconds is not None:
                 self.device_seconds += self.op_seconds(kind, flops, 0, matmul_shape(packet, args) if packet in _MATMULS else None)
-        elif packet not in _FREE_OPS and not func.is_view and func.namespace != "prim":
-            if any(isinstance(t, torch.Tensor) for t in outs):   # metadata queries move nothing
-                ins, _ = tree_flatten((args, kwargs))
-                io = _tensor_bytes(ins) + _tensor_bytes(outs)
-                self.io_bytes += io
-                if self.op_seconds is not None:
-                    self.device_seconds += self.op_seconds("memory", 0, io, None)
+        elif packet not in _FREE_OPS and not func.is_view:
+            ins, _ = tree_flatten((args, kwargs))
+            io = _tensor_bytes(ins) + _tensor_bytes(outs)
+            self.io_bytes += io
+            if self.op_seconds is not None:
+                self.device_seconds += self.op_seconds("memory", 0, io, None)
         return out
