@@ -133,8 +133,9 @@ def profile(
                 err.print(f"--fake: times from the {hardware} preset (the default; --hardware to change).", highlight=False)
             hw = get_hardware(hardware)
             op_seconds = lambda kind, flops, io, mnk: hw.op_seconds(precision, kind, flops, io, mnk)  # noqa: E731
+            hardware = hw.name     # a cluster file's name, as `plan solve --hardware FILE` will know it
         elif hardware:
-            get_hardware(hardware)
+            hardware = get_hardware(hardware).name
 
         from profiles.hf import is_hf_source, load_hf_spec
         if is_hf_source(model):

@@ -182,3 +182,32 @@ def test_a_hung_rank_ends_the_run_with_one_sentence(tmp_path):
     assert "rank 0: a collective waited more than 3 s; rank 1 never began step 3" in " ".join(text.split()), text
     assert runtime_processes(tmp_path) == []
     assert not (tmp_path / "run.json").exists()
+
+
+def test_a_fake_profile_on_a_cluster_file_is_solved_with_its_own_times(tmp_path):
+    """`plan profile --fake --hardware FILE` then `plan solve --hardware FILE`: the profile names the
+    file's hardware as the solve knows it, so the solve takes its op-by-op times as they are. (It
+    recorded the path, and every time was redone from the layer's totals at one rate.)"""
+    from planner.cost import CostModel
+    from planner.hardware import get_hardware
+    from profiles.schema import load_profile
+    shutil.copy(ROOT / "examples" / "gpt.py", tmp_path / "gpt.py")
+    device_alone = 'base = "h100-sxm-80g"\nop_launch_s = "0s"\n'     # the ops' device time, no launch floor
+    (tmp_path / "h100.toml").write_text("[hardware]\n" + device_alone)
+    (tmp_path / "slow-hbm.toml").write_text("[hardware]\n" + device_alone + 'hbm_bandwidth = "10 GB/s"\n')
+    profiles = {}
+    for name in ("h100", "slow-hbm"):
+        proc = plan_cli("profile", "gpt.py", "--fake", "--hardware", f"{name}.toml", "--batch-sizes", "2",
+                        "-o", f"{name}.json", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        profiles[name] = prof = load_profile(tmp_path / f"{name}.json")
+        hw = get_hardware(str(tmp_path / f"{name}.toml"))
+        assert prof.hardware == hw.name
+        model = CostModel(prof, hw)
+        assert model.measured_here
+        for layer in prof.layers:
+            s = layer.samples[2]
+            assert model._times(s) == (s.fwd_s, s.bwd_s)          # the profile's own times
+    # and each is its file's: at 10 GB/s of memory bandwidth the layers are memory-bound
+    fwd = {name: sum(layer.samples[2].fwd_s for layer in p.layers) for name, p in profiles.items()}
+    assert fwd["slow-hbm"] > 10 * fwd["h100"]
