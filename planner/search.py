@@ -371,6 +371,13 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     bounded = sorted(((time_lower_bound(model, c, choices_for(opts.checkpoint, opts.offload, c.allow_offload)), c)
                       for c in cands), key=lambda t: (t[0], t[1]))
     result = SearchResult([], len(cands), 0, 0, 0)
+    if not model.measured_here:
+        timed = (f"computed for {profile.hardware}" if profile.method == "fake"
+                 else f"measured on {profile.device}")
+        redo = (f"profile with --fake --hardware {opts.hardware.name}" if opts.hardware.device_type != "cpu"
+                else "profile on the CPU the plan will run on")
+        result.notes.append(f"the profile's times were {timed}; for {opts.hardware.name} each layer's time is "
+                            f"estimated from its FLOPs, bytes and op count (indicative): {redo} to time its ops one by one")
     busy = min(opts.gpus, opts.node_size)
     if opts.hardware.device_type == "cpu" and busy > opts.hardware.host_cores:
         result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "

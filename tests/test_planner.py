@@ -693,6 +693,17 @@ def test_a_micro_batch_beyond_the_profiled_sizes_is_said_so_with_the_flag_that_m
     assert not any("beyond the profiled sizes" in n for n in within.notes)
 
 
+def test_times_moved_to_other_hardware_are_said_to_be_estimates_with_the_command_that_times_them():
+    """A CPU profile solved for GPUs has its layer times estimated from FLOPs and bytes: the
+    solve says so once, and how to profile for that hardware; solved where it was measured, not."""
+    prof = random_profile(random.Random(5), 4)
+    moved = search(prof, SolveOptions(gpus=8, hardware=PRESETS["h100-sxm-80g"], global_batch=16, top_k=1))
+    said = [n for n in moved.notes if "estimated from its FLOPs" in n]
+    assert len(said) == 1 and "measured on" in said[0] and "--fake --hardware h100-sxm-80g" in said[0]
+    here = search(prof, SolveOptions(gpus=2, hardware=cpu_like(1 << 40), global_batch=16, top_k=1, offload="none"))
+    assert not any("estimated from its FLOPs" in n for n in here.notes)
+
+
 def test_tensor_parallel_degree_divides_the_head_counts():
     """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
     from planner.search import SolveError, check_options
