@@ -93,7 +93,7 @@ def profile(
     precision: str = typer.Option("fp32", help="fp32 | bf16 | mixed (bf16 compute, fp32 master weights, gradients and states)."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
     fake: bool = typer.Option(False, "--fake", help="Profile without allocating (FakeTensorMode); times from --hardware's achievable rates."),
-    hardware: Optional[str] = typer.Option(None, help=f"Hardware preset for --fake times (see `plan hardware`; default: plan solve's, {DEFAULT_HARDWARE})."),
+    hardware: Optional[str] = typer.Option(None, help=f"Hardware preset or .toml cluster file for --fake times (see `plan hardware`; default: plan solve's, {DEFAULT_HARDWARE})."),
     csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the flat per-layer table as CSV."),
     wide: bool = WIDE,
     repeats: int = typer.Option(5, help="Timed repeats per layer (median), after 2 warm-up runs."),
