@@ -513,6 +513,21 @@ def measure_fsdp_overhead(layer: nn.Module, x: torch.Tensor, mesh, opts: Profile
     return out
 
 
+def set_fsdp_overheads(layers: list[LayerProfile], overheads: dict[int, list[dict[str, float]]],
+                       same_as: dict[int, int]) -> None:
+    """Each measured layer's FSDP2 overheads: per unit kind, the median over the micro-batch
+    sizes it was measured at; identical layers take it. The hooks and buffer copies do not grow
+    with the micro-batch, and a difference of two timings is noisiest where the layer is
+    longest: a GPT block's replicate hooks measured 0.66-0.98 ms at micro-batch 1, 0.95-1.15 at 4
+    and 0.54-0.71 at 16 but for one 2.7 ms (examples/gpt.py, 4 tries each, 2026-12-05); timed at
+    the largest size alone, as before, one profile gave every block 1.86 ms
+    (bench/results/time_fidelity_runs/gpt.profile.json)."""
+    for i, measured in overheads.items():
+        layers[i].fsdp_overhead_s = {mode: statistics.median(m[mode] for m in measured) for mode in measured[0]}
+    for i, j in same_as.items():
+        layers[i].fsdp_overhead_s = dict(layers[j].fsdp_overhead_s)
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     old = torch.get_num_threads()
@@ -553,6 +568,10 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
         loss = LossProfile()
         batch = {"input_bytes": {}, "target_bytes": {}}
         total = (len(model) + 1) * len(opts.batch_sizes)
+        # FSDP2 units' own work, measured at every micro-batch size of each first layer of a kind
+        # (same_as: the identical layers that take its figures): see set_fsdp_overheads.
+        overheads: dict[int, list[dict[str, float]]] = {}
+        same_as: dict[int, int] = {}
         for b in opts.batch_sizes:
             inputs, targets = mf.call_make_batch(spec, b)
             inputs, targets = inputs.to(opts.device), targets.to(opts.device)
@@ -568,7 +587,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                 if key in seen:
                     # Same structure, same input shape: the same memory and FLOPs; only time it.
                     j = seen[key]
-                    layers[i].fsdp_overhead_s = dict(layers[j].fsdp_overhead_s)
+                    same_as[i] = j
                     layers[i].samples[b] = copy.copy(layers[j].samples[b])
                     if layers[j].tp_samples:
                         layers[i].tp_samples[b] = copy.copy(layers[j].tp_samples[b])
@@ -590,8 +609,8 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                 else:
                     seen[key] = i
                     layers[i].samples[b] = measure_layer(layer, x, opts, op_seconds)
-                    if b == max(opts.batch_sizes) and tp_mesh is not None and not opts.fake and any(True for _ in layer.parameters()):
-                        layers[i].fsdp_overhead_s = measure_fsdp_overhead(layer, x, tp_mesh, opts)
+                    if tp_mesh is not None and not opts.fake and any(True for _ in layer.parameters()):
+                        overheads.setdefault(i, []).append(measure_fsdp_overhead(layer, x, tp_mesh, opts))
                     # (A layer whose split dims 2 does not divide admits no TP degree: the
                     # planner then offers none, and DTensor could not run it unevenly anyway.)
                     if tp_mesh is not None and tp_matches[i] and splits_evenly(layers[i].params, list(spec.tp_divides), 2):
@@ -628,6 +647,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                             f"torch's loss_parallel ({type(e).__name__}: {mf.first_line(e)}); compute it with F.cross_entropy "
                             "on the logits, or take the head out of the tp_plan.") from None
                     del split, logits
+        set_fsdp_overheads(layers, overheads, same_as)
         if not opts.fake:
             steps: dict[str, float] = {}     # the optimizer step depends on the parameter shapes only
             for i, layer in enumerate(model):

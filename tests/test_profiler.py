@@ -345,3 +345,18 @@ def test_identical_layers_share_the_median_of_their_timings_split_ones_too():
         assert (g.samples[4].fwd_s, g.samples[4].bwd_s) == (2.0, 4.0)
         assert (g.tp_samples[4].fwd_s, g.tp_samples[4].bwd_s) == (1.0, 2.0)
         assert g.tp_times[4] == [0.5, 1.0]
+
+
+def test_fsdp_overheads_are_the_median_over_micro_batch_sizes_and_shared_by_identical_layers():
+    """An FSDP2 unit's hooks do not grow with the micro-batch: each layer takes, per unit kind,
+    the median of its measurements at every size (one slow try at the largest does not set it),
+    and a layer identical to it the same figures."""
+    from profiles.measure import set_fsdp_overheads
+    from profiles.schema import LayerProfile
+    layers = [LayerProfile(index=i, name=str(i), kind="Block") for i in range(3)]
+    at_sizes = [{"replicate": 1.0e-3, "shard": 3.0e-3}, {"replicate": 1.2e-3, "shard": 2.8e-3},
+                {"replicate": 4.0e-3, "shard": 3.1e-3}]          # the largest size's replicate: an outlier
+    set_fsdp_overheads(layers, {0: at_sizes, 2: [{"replicate": 5e-4, "shard": 1e-3}]}, {1: 0})
+    assert layers[0].fsdp_overhead_s == pytest.approx({"replicate": 1.2e-3, "shard": 3.0e-3})
+    assert layers[1].fsdp_overhead_s == layers[0].fsdp_overhead_s and layers[1].fsdp_overhead_s is not layers[0].fsdp_overhead_s
+    assert layers[2].fsdp_overhead_s == {"replicate": 5e-4, "shard": 1e-3}
