@@ -17,7 +17,6 @@ are evaluated).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import tempfile
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from planner.hardware import Hardware, get_hardware  # noqa: E402
+from planner.hardware import Hardware, get_hardware, load_cluster_file  # noqa: E402
 from planner.search import SolveOptions, search  # noqa: E402
 from solve_real import llama  # noqa: E402
 
@@ -53,29 +52,28 @@ class Run:
 # whose peak "is between SXM and NVL, and we don't know its exact value" (its footnote). Both ends
 # are evaluated: the SXM's 989.4 TFLOPS (the h100-sxm-80g preset's) and the NVL's 835.5 (NVIDIA's
 # H100 datasheet, H100 NVL column: BF16 1,671 TFLOPS with sparsity). Every other figure is the
-# SXM preset's; none is fitted to these runs.
-TITAN_H100 = ("h100-hbm2e-500w-sxm-peak", "h100-hbm2e-500w-nvl-peak")
-TITAN_H100_SOURCE = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md: H100 with 96GB HBM2e at "
-                     "2.4 TB/s, 500W power limit, peak between SXM and NVL")
+# SXM preset's; none is fitted to these runs. Each is a cluster file on that preset, as a user
+# describes such GPUs (docs/hf-models.md).
+TITAN_H100 = {
+    "h100-hbm2e-500w-sxm-peak": "",
+    "h100-hbm2e-500w-nvl-peak": 'bf16_flops = "835.5 TFLOPS"\n',
+}
 
 
-def hardware(name: str) -> Hardware:
+def hardware(name: str, workdir: Path) -> Hardware:
     """A preset, or one of TITAN_H100: the SXM preset with torchtitan's stated memory and bandwidth."""
     if name not in TITAN_H100:
         return get_hardware(name)
-    sxm = get_hardware("h100-sxm-80g")
-    peak = sxm.bf16_flops if name.endswith("sxm-peak") else 835.5e12
-    return dataclasses.replace(sxm, name=name, memory_bytes=96 * 10**9, hbm_bandwidth=2.4e12, bf16_flops=peak,
-                               sources={**sxm.sources, "memory_bytes": TITAN_H100_SOURCE,
-                                        "hbm_bandwidth": TITAN_H100_SOURCE,
-                                        "bf16_flops": TITAN_H100_SOURCE + (": the SXM's" if peak == sxm.bf16_flops
-                                                                           else ": the NVL's 1,671 / 2")})
+    path = workdir / f"{name}.toml"
+    path.write_text(f'[hardware]\nbase = "h100-sxm-80g"\nname = "{name}"\nmemory_bytes = "96 GB"\n'
+                    f'hbm_bandwidth = "2.4 TB/s"\n{TITAN_H100[name]}')
+    return load_cluster_file(path)
 
 
 RUNS = [
     Run("NeMo 24.09, Llama 3.1 8B", "llama-3-8b", 8, 256, 12.91, "59.4%", {"dp": 8, "tp": 1, "pp": 1, "micro_batch": 1}),
     Run("torchtitan FSDP, Llama 3.1 8B", "llama-3-8b", 8, 32, 2.84, "33-39%", {"dp": 8, "tp": 1, "pp": 1, "micro_batch": 4, "zero": 3},
-        hardware=TITAN_H100),
+        hardware=tuple(TITAN_H100)),
     # NeMo's 70B recipe: TP 4 with sequence parallelism, PP 4 with 5 virtual stages a rank.
     Run("NeMo 24.09, Llama 3.1 70B", "llama-3-70b", 64, 256, 14.72, "54.1%",
         {"dp": 4, "tp": 4, "pp": 4, "micro_batch": 1, "sequence_parallel": "on"}, {"virtual_stages": 5}),
@@ -92,10 +90,10 @@ RUNS = [
     # forward). Step = tokens a step / (tokens/s/GPU x GPUs).
     # 2024-12, Table 1: 8 H100s, local batch 2, selective AC, 5,762 tokens/s/GPU.
     Run("torchtitan FSDP, Llama 3.1 8B", "llama-3-8b", 8, 16, 2.84, "33-39%",
-        {"dp": 8, "tp": 1, "pp": 1, "micro_batch": 2, "checkpoint": "selective", "zero": 3}, seq=8192, hardware=TITAN_H100),
+        {"dp": 8, "tp": 1, "pp": 1, "micro_batch": 2, "checkpoint": "selective", "zero": 3}, seq=8192, hardware=tuple(TITAN_H100)),
     # Table 3: the same on 128 H100s (16 hosts, 400 Gb/s a GPU between them), 5,605 tokens/s/GPU.
     Run("torchtitan FSDP, Llama 3.1 8B", "llama-3-8b", 128, 256, 2 * 8192 / 5605, "33-39%",
-        {"dp": 128, "tp": 1, "pp": 1, "micro_batch": 2, "checkpoint": "selective", "zero": 3}, seq=8192, hardware=TITAN_H100),
+        {"dp": 128, "tp": 1, "pp": 1, "micro_batch": 2, "checkpoint": "selective", "zero": 3}, seq=8192, hardware=tuple(TITAN_H100)),
     # docs/performance.md of 2024-04 to 2024-12: 64 A100s (80 GB), FSDP, local batch 1; the 8B with
     # selective op AC at 2,973 tokens/s/GPU (58.2% MFU), the 70B with full AC at 331 (51.7%).
     Run("torchtitan FSDP, Llama 3 8B", "llama-3-8b", 64, 64, 8192 / 2973, "58.2%",
@@ -107,7 +105,7 @@ RUNS = [
     # runs its norms sequence-parallel.
     Run("torchtitan FSDP + TP, Llama 3.1 405B", "llama-3-405b", 128, 32, 32 * 8192 / (109 * 128), "29.0%",
         {"dp": 16, "tp": 8, "pp": 1, "micro_batch": 2, "checkpoint": "all", "sequence_parallel": "on", "zero": 3}, seq=8192,
-        hardware=TITAN_H100),
+        hardware=tuple(TITAN_H100)),
 ]
 
 
@@ -137,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for run in RUNS:
             for hw_name in run.hardware:
-                hw = hardware(hw_name)
+                hw = hardware(hw_name, Path(tmp))
                 key = (run.model, run.seq, hw.name)
                 if key not in profiles:
                     profiles[key] = profile(run.model, run.seq, hw, Path(tmp))
