@@ -542,7 +542,12 @@ class CostModel:
             # likewise; bench/pipeline_contention.py: the MLP's pp 4 took 12 ms a step for one
             # micro-batch and 24, 39 and 68 for 2, 4 and 8, where the model without it said 14,
             # 21 and 37): so much in each slot where it is so, however many ranks are busy.
-            per_action = self.hw.pipeline_overhead_s + self.hw.pipeline_contention_s * self.cores_full_share(cand)
+            # The overhead itself is the ranks' own CPU work, so it slows with them as compute
+            # does (compute_scale): an idle 4-stage schedule on the 2-core VM took 0.24 ms an
+            # action for one micro-batch (one stage busy at a time) and 0.40 / 0.48 ms for 4 / 8
+            # (1F1B), where this says 0.30 / 0.40 / 0.48 from the last (2026-12-05).
+            per_action = (self.hw.pipeline_overhead_s * self.compute_scale(cand)
+                          + self.hw.pipeline_contention_s * self.cores_full_share(cand))
             fixed = 2 * per_action if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back
