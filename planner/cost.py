@@ -543,9 +543,9 @@ class CostModel:
             # micro-batch and 24, 39 and 68 for 2, 4 and 8, where the model without it said 14,
             # 21 and 37): so much in each slot where it is so, however many ranks are busy.
             # The overhead itself is the ranks' own CPU work, so it slows with them as compute
-            # does (compute_scale): an idle 4-stage schedule on the 2-core VM took 0.24 ms an
-            # action for one micro-batch (one stage busy at a time) and 0.40 / 0.48 ms for 4 / 8
-            # (1F1B), where this says 0.30 / 0.40 / 0.48 from the last (2026-12-05).
+            # does (compute_scale): an idle 4-stage schedule on the 2-core VM took 0.24-0.57 ms
+            # an action for one micro-batch (one stage busy at a time) and 1.6-2.1x that for 8
+            # through 1F1B in three runs, where this says 1.58x (2026-12-05, docs/cost-model.md).
             per_action = (self.hw.pipeline_overhead_s * self.compute_scale(cand)
                           + self.hw.pipeline_contention_s * self.cores_full_share(cand))
             fixed = 2 * per_action if boundaries else 0.0
