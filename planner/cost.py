@@ -542,12 +542,12 @@ class CostModel:
             # likewise; bench/pipeline_contention.py: the MLP's pp 4 took 12 ms a step for one
             # micro-batch and 24, 39 and 68 for 2, 4 and 8, where the model without it said 14,
             # 21 and 37): so much in each slot where it is so, however many ranks are busy.
-            # The overhead itself is the ranks' own CPU work, so it slows with them as compute
-            # does (compute_scale): an idle 4-stage schedule on the 2-core VM took 0.24-0.57 ms
-            # an action for one micro-batch (one stage busy at a time) and 1.6-2.1x that for 8
-            # through 1F1B in three runs, where this says 1.58x (2026-12-05, docs/cost-model.md).
-            per_action = (self.hw.pipeline_overhead_s * self.compute_scale(cand)
-                          + self.hw.pipeline_contention_s * self.cores_full_share(cand))
+            # A full action whatever the ranks beside it do: stop 41 slowed it with compute_scale
+            # (one stage busy, cheaper), fitted to runs whose measured step was the median over
+            # ranks, which left the ranks a pipeline frees early short; timed from one start to
+            # the slowest rank (RunReport.step_s), the one-micro-batch pipelines of the kept runs
+            # were 11-41% under with that and 7-29% with this (2026-12-06, docs/fidelity.md).
+            per_action = self.hw.pipeline_overhead_s + self.hw.pipeline_contention_s * self.cores_full_share(cand)
             fixed = 2 * per_action if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back

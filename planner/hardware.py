@@ -175,7 +175,7 @@ class Hardware:
     matmul_knee: int = 1             # a matmul dimension d reaches d / (d + knee) of that (tile and wave quantisation)
     attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
-    pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive, with the cores to itself (CPU processes: slowed by compute_scale)
+    pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
     pipeline_contention_s: float = 0.0  # CPU processes: what each action adds in a slot whose busy ranks fill the cores (a woken stage waits for one)
     op_launch_s: float = 0.0         # the host's time to issue one op in eager PyTorch: fake-mode and moved layer times take no less than their ops' count times it
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
@@ -858,7 +858,7 @@ PRESETS: dict[str, Hardware] = {
         cpu_adam_params_per_s=1e+09,
         host_cores=1.91,
         collective_overlap=0.0,
-        pipeline_overhead_s=0.000577,
+        pipeline_overhead_s=0.000929,
         pipeline_contention_s=0.000718,
         op_launch_s=6.3e-06,
         collectives=_CPU_COLLECTIVES,
@@ -898,14 +898,12 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "not used on CPU: layers are timed where they run",
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
             "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
-                                    "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot), "
-                                    "0.929 ms, / the contention scale of its slots on 1.91 cores, 1.61 "
-                                    "(calibrate.pipeline_overhead_s); 2026-12-04, the run of bench/time_fidelity.py's "
-                                    "table (1.01 ms an action on 2026-12-01)"),
+                                    "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot); "
+                                    "2026-12-04, the run of bench/time_fidelity.py's table (1.01 ms on 2026-12-01)"),
             "pipeline_contention_s": (f"{_CPU_MEASURED}, the same run: the same schedule over stages of two "
                                       "256-1024-256 MLPs on 4 rows (1.82 ms forward and backward alone, step 64.7 ms), "
-                                      "timed in turns with it; (slot / 2 - (alone / 2 + pipeline_overhead_s) x "
-                                      "contention scale) over the share of slots whose busy ranks fill the cores "
+                                      "timed in turns with it; (slot - alone x contention scale) / 2 - "
+                                      "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
                                       "(calibrate.pipeline_contention_s; 0-1.7 ms in eleven runs that day, 0.45-1.7 but one: "
                                       "the figure is as noisy as this VM)"),
             "op_launch_s": ("measured on the same machine with calibrate.op_launch_seconds() (2026-12-05, 1 thread): "

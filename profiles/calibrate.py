@@ -290,11 +290,11 @@ def measure_pipeline(processes: int, cores: float, micro_batches: int = 8, repea
     """A pipeline's overhead per micro-batch and action (a stage's forward or its backward)
     beside its compute and its transfers' bytes, and what each action adds in a slot whose busy
     ranks fill the cores: (pipeline_overhead_s, pipeline_contention_s, the loaded step, its
-    stage alone, the idle step).
+    stage alone).
     Two 1F1B schedules over `processes` stages, timed in turns: one of a 16 x 16 linear layer
-    (no compute to speak of: its step is m + pp - 1 slots of a forward and a backward, solved
-    for the overhead with the cores to itself by pipeline_overhead_s), and one of
-    _loaded_stage, solved for the contention by pipeline_contention_s."""
+    (no compute to speak of, the cores free: its step is m + pp - 1 slots of a forward and a
+    backward, so the overhead is step / (m + pp - 1) / 2), and one of _loaded_stage, solved for
+    the contention by pipeline_contention_s."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -302,28 +302,17 @@ def measure_pipeline(processes: int, cores: float, micro_batches: int = 8, repea
     mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, rounds, queue),
              nprocs=processes, join=True)
     idle_step, step, alone = queue.get()
-    overhead = pipeline_overhead_s(idle_step, micro_batches, processes, cores)
-    return overhead, pipeline_contention_s(step, alone, micro_batches, processes, cores, overhead), step, alone, idle_step
-
-
-def pipeline_overhead_s(idle_step: float, m: int, pp: int, cores: float) -> float:
-    """The cost model takes an action of a pipeline of `pp` CPU processes (one stage each) whose
-    stages compute nothing as pipeline_overhead_s x contention_scale: the schedule's own work
-    slows as compute does when more ranks are busy than the cores run; this solves that for
-    pipeline_overhead_s from a measured step of m micro-batches (m + pp - 1 slots of two
-    actions)."""
-    from planner.cost import busy_per_slot, contention_scale
-
-    return idle_step / (m + pp - 1) / 2 / contention_scale(busy_per_slot(m, pp, pp), min(pp, cores))
+    overhead = idle_step / (micro_batches + processes - 1) / 2
+    return overhead, pipeline_contention_s(step, alone, micro_batches, processes, cores, overhead), step, alone
 
 
 def pipeline_contention_s(step: float, alone: float, m: int, pp: int, cores: float, idle_overhead_s: float) -> float:
-    """The cost model takes a slot of a pipeline of `pp` CPU processes (one stage each) as
-    (the stage's compute alone + 2 actions of idle_overhead_s) x contention_scale (its busy
-    ranks over `cores`), + 2 x pipeline_contention_s in the share of slots whose busy ranks
-    fill the cores (cores_full_share); this solves that for pipeline_contention_s from a
-    measured step of m micro-batches (m + pp - 1 slots). A stage woken by its receive while
-    the other ranks compute waits for a core."""
+    """The cost model takes a slot of a pipeline of `pp` CPU processes (one stage each) as the
+    stage's compute alone x contention_scale (its busy ranks over `cores`) + 2 actions of
+    idle_overhead_s, + 2 x pipeline_contention_s in the share of slots whose busy ranks fill
+    the cores (cores_full_share); this solves that for pipeline_contention_s from a measured
+    step of m micro-batches (m + pp - 1 slots). A stage woken by its receive while the other
+    ranks compute waits for a core."""
     from planner.cost import busy_per_slot, contention_scale, cores_full_share
 
     busy = busy_per_slot(m, pp, pp)
@@ -331,8 +320,7 @@ def pipeline_contention_s(step: float, alone: float, m: int, pp: int, cores: flo
     if share == 0.0:
         return 0.0                                   # the cores run every stage at once: nothing waits
     slot = step / (m + pp - 1)
-    scale = contention_scale(busy, min(pp, cores))
-    return max(0.0, ((slot - alone * scale) / 2 - idle_overhead_s * scale) / share)
+    return max(0.0, ((slot - alone * contention_scale(busy, min(pp, cores))) / 2 - idle_overhead_s) / share)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,17 +588,16 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
     if device == "cpu":
         most = max(processes)
         on_progress(f"pipelines of {most} stages")
-        idle, contention, step, alone, idle_step = measure_pipeline(most, fields["host_cores"])
+        idle, contention, step, alone = measure_pipeline(most, fields["host_cores"])
         put("pipeline_overhead_s", idle,
             f"a 1F1B schedule over {most} stages of a 16x16 linear layer, 8 micro-batches: "
-            "step / (m + pp - 1) / 2 actions (a forward and a backward a slot) / the contention scale of its slots "
-            f"({idle_step * 1e3:.2f} ms a step; calibrate.pipeline_overhead_s)")
+            "step / (m + pp - 1) / 2 actions (a forward and a backward a slot)")
         put("pipeline_contention_s", contention,
             f"the same schedule with stages of two {LOADED_WIDTH}-{4 * LOADED_WIDTH}-{LOADED_WIDTH} MLPs on "
             f"{LOADED_ROWS} rows ({alone * 1e3:.2f} ms forward and backward alone; step {step * 1e3:.1f} ms), "
-            "timed in turns with it: (slot / 2 - (alone / 2 + pipeline_overhead_s) x contention scale) over the share of "
-            "slots whose busy ranks fill the cores (calibrate.pipeline_contention_s)")
-        notes.append(f"a pipeline action: {idle * 1e3:.2f} ms with the cores to itself, "
+            "timed in turns with it: (slot - alone x contention scale) / 2 - pipeline_overhead_s, over the share of "
+            "slots whose busy ranks fill the cores")
+        notes.append(f"a pipeline action: {idle * 1e3:.2f} ms with the cores free, "
                      f"+ {contention * 1e3:.2f} ms where the busy ranks fill them")
     fits = fit_collectives(rows)
     for f in fits:
