@@ -18,7 +18,6 @@ host time an op comes from: launch-bound layers' measured time over the ops they
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.hardware import PRESETS  # noqa: E402
+from planner.run_report import load_run  # noqa: E402
 from planner.search import SolveOptions, search  # noqa: E402
 from profiles.hf import load_hf_spec  # noqa: E402
 from profiles.measure import ProfileOptions, profile_model  # noqa: E402
@@ -141,8 +141,7 @@ def main() -> None:
             for kind in m:
                 lines.append(f"| {kind} | {b} | {m[kind]:.2f} | {f0[kind]:.2f} | {pct(f0[kind], m[kind])} "
                              f"| {fd[kind]:.2f} | {pct(fd[kind], m[kind])} | {f1[kind]:.2f} | {pct(f1[kind], m[kind])} |")
-        ran = json.loads(run_path.read_text())
-        step = statistics.median(r["median_step_s"] for r in ran["ranks"])
+        step = load_run(run_path).step_s
         got = {label: plain_step(p, hw, batch, micro)
                for label, p, hw in (("measured profile", measured, NOW), ("fake profile", now, NOW),
                                     ("fake profile's device time alone", device, NOW),

@@ -8,9 +8,10 @@ with checkpoints on, SIGINT / SIGTERM stops it at the end of a step with a check
 
 Measurements count from the launch's first step (a resumed run measures its own steps). Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
-alive that the step uses. Step time is the median wall time of steps 3..S-1; with S >= 4 the
-last step runs under torch.profiler and gives the step's time by component (breakdown.py),
-so it is left out of the median.
+alive that the step uses. Every step starts on all ranks at once (_start_together); a rank's step
+time is the median wall time of its steps 3..S-1, the run's the median of their slowest rank's
+(RunReport.step_s); with S >= 4 the last step runs under torch.profiler and gives the step's
+time by component (breakdown.py), so it is left out of the median.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.plan import Plan
-from planner.run_report import RankReport
+from planner.run_report import RankReport, timed_steps
 from profiles.live_memory import LiveMemory
 from profiles.model_file import ModelSpec, build_checked_model
 
@@ -180,6 +181,7 @@ class Trainer:
             args = dict(lr=lr, clip_grad_norm=self.config.clip_grad_norm, grad_norm=logs and k != measured)
             if on_start:
                 on_start(step)
+            self._start_together()
             if k == profiled:
                 out: list = []
                 breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize,
@@ -208,7 +210,7 @@ class Trainer:
         if p.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(p.device)
             reserved = torch.cuda.max_memory_reserved(p.device)   # since the process began: the cache fragmentation leaves
-        timed = (times[2:profiled] if profiled else times[2:]) or times[1:] or times
+        timed = [times[i] for i in timed_steps(n)]
         report = RankReport(rank=dist.get_rank(), pp_rank=p.pp_rank, dp_rank=p.dp_rank, tp_rank=p.tp_rank,
                             stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
@@ -237,6 +239,16 @@ class Trainer:
             finally:
                 for h in hooks:
                     h.remove()
+
+    def _start_together(self) -> None:
+        """Every rank leaves here at once (an all-reduce of one number, outside the step's timing),
+        so that each rank times a step from the same start and the step lasts as long as its
+        slowest rank (RunReport.step_s). Without it the ranks a pipeline frees early would wait
+        for the next step inside their timers, or outside them where a collective between steps
+        (the log line's norm) holds them, and their times would mean different things."""
+        if dist.get_world_size() > 1:
+            dist.all_reduce(torch.zeros(1, device=self.parallel.device))
+        self._synchronize()
 
     def _synchronize(self) -> None:
         if self.parallel.device.type == "cuda":

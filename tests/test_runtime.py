@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from planner.plan import OptimizerConfig
+from planner.run_report import RunReport
 from profiles.model_file import load_spec
 from runtime.config import TrainConfig
 from runtime.launch import build_command
@@ -243,6 +244,8 @@ def test_cli_run_writes_the_report(tmp_path):
         assert parts["p2p"] > 0 and parts["tp_comm"] == 0 and parts["dp_comm"] == 0
         assert r["threads"] == 1
         assert r["median_step_s"] == statistics.median(r["step_times_s"][2:3])   # the profiled step is not timed
+    # The run's step: its slowest rank's timed step (each step starts on both ranks at once).
+    assert RunReport.from_json(run).step_s == max(r["step_times_s"][2] for r in run["ranks"])
 
 
 def test_breakdown_sees_each_kind_of_collective(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from planner.cost import Candidate, CostModel
 from planner.hardware import PRESETS, CollectiveFit, Hardware, load_cluster_file
+from planner.run_report import RankReport, RunReport
 from profiles.calibrate import Calibration, cluster_file_text, fit_collectives, fit_latency_bandwidth, fit_matmul
 from synthetic import add_tensor_parallel_samples, random_profile
 
@@ -584,3 +585,23 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(schedule, pp, v, m):
     for rank in range(pp):                  # a rank runs one action at a time, over all its stages
         mine = sorted((a.start_s, a.end_s) for a in actions if a.stage % pp == rank)
         assert all(end <= nxt + 1e-12 for (_, end), (nxt, _) in zip(mine, mine[1:]))
+
+
+def test_a_runs_step_lasts_as_long_as_its_slowest_rank():
+    """Every rank starts a step at once, so the step is its slowest rank's time, step by step:
+    here a 2-stage pipeline whose first stage ends each step (bench/time_fidelity.py's runs:
+    the last stage of a pipeline is done a backward or more earlier). The median over ranks of
+    their medians would say 0.085 s; the warm-up, memory and profiled steps are left out."""
+    first = [0.9, 0.5, 0.100, 0.120, 0.110, 0.9]        # steps 1..6: 3..5 are timed
+    last = [0.9, 0.5, 0.070, 0.060, 0.075, 0.9]
+    ranks = [RankReport(r, pp, r % 2, 0, [pp], 1 << 20, times, sorted(times[2:5])[1])
+             for r, (pp, times) in enumerate([(0, first), (0, first), (1, last), (1, last)])]
+    run = RunReport("p.json", "0" * 64, 4, 6, [1.0] * 6, "cpu", "2.13", ranks, global_batch=16)
+    run.validate()
+    assert run.step_s == pytest.approx(0.110)
+    assert run.samples_per_s == pytest.approx(16 / 0.110)
+    # Where the ranks take turns at being slowest, each step counts its own slowest.
+    ranks[2].step_times_s[3] = 0.130
+    assert run.step_s == pytest.approx(0.110)            # the steps' slowest: 0.100, 0.130, 0.110
+    ranks[2].step_times_s[2] = 0.115
+    assert run.step_s == pytest.approx(0.115)            # 0.115, 0.130, 0.110
