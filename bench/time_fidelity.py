@@ -5,7 +5,7 @@ this CPU (one thread, as every rank runs), then runs each layout of a grid of 4-
 layouts (dp with ZeRO 0-3, accumulation, checkpointing (full and selective), offload, tp, pp with 1F1B and GPipe,
 dp x tp, pp x dp (also interleaved and looped BFS, two stages a rank), pp x tp) plus the layout the free `plan solve` chooses, each `--runs` times
 under torchrun. Prints, per layout, the predicted step time, the measured median of the runs
-(each run's figure: the median over ranks of their median of 7 timed steps) and their spread
+(each run's figure: over its 7 timed steps, the median of the slowest rank's time) and their spread
 (the noise band), the error, and the measured time by component of the slowest rank's
 profiled step beside the prediction; per model, the median and worst error,
 the rank correlation of predicted and measured times, and the free choice's measured time
@@ -271,8 +271,8 @@ def main() -> None:
            f"--models {args.models} --runs {args.runs}{flag}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
            f"predicted with {args.hardware or 'a `plan calibrate` of this machine run first'}; ")
     md = [f"# Time fidelity\n\n`python bench/time_fidelity.py {how}every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
-          f"{args.runs} times (interleaved); measured = the median over runs of each run's median over ranks of "
-          "their median of 7 timed steps; "
+          f"{args.runs} times (interleaved); measured = the median over runs of each run's step (RunReport.step_s: "
+          "the median over its 7 timed steps of the slowest rank's time, every rank starting each step at once); "
           "spread = (max - min) / median over the runs.\n",
           "| model | layouts | median error | worst error | rank correlation | free choice / fastest | median spread |",
           "|---|---|---|---|---|---|---|"]
