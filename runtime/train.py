@@ -98,7 +98,7 @@ class StepLog:
     step: int                  # steps done (1-based)
     steps: int                 # the run's last step
     loss: float | None         # this rank's mean loss (None off the last stage)
-    seconds: float
+    seconds: float             # the step's time: its slowest rank's (the log line's rank may be done early)
     lr: float
     grad_norm: float | None    # before clipping; computed when clipping or logging
 
@@ -199,8 +199,10 @@ class Trainer:
                     peak = memory.peak
             losses.append(float(loss) if loss is not None else 0.0)
             norm = p.global_grad_norm()          # every rank: a collective when the step logs without clipping
-            if on_step and logs:
-                on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, times[-1], lr, norm))
+            if logs:
+                seconds = self._slowest(times[-1])   # every rank: the log line's rank may be done early
+                if on_step:
+                    on_step(StepLog(step + 1, steps, losses[-1] if loss is not None else None, seconds, lr, norm))
             stop = bool(self.stops) and step + 1 < steps and self.stops.agreed(p.device)
             if self.checkpoints and (stop or self.checkpoints.due(step + 1, steps)):
                 self.saved = checkpoint.save(p, self.checkpoints.directory, replace(self.checkpoints.info, step=step + 1))
@@ -249,6 +251,14 @@ class Trainer:
         if dist.get_world_size() > 1:
             dist.all_reduce(torch.zeros(1, device=self.parallel.device))
         self._synchronize()
+
+    def _slowest(self, seconds: float) -> float:
+        """The slowest rank's `seconds` (a collective: every rank calls it on the same steps)."""
+        if dist.get_world_size() == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.parallel.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def _synchronize(self) -> None:
         if self.parallel.device.type == "cuda":

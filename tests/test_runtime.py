@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -215,7 +216,11 @@ def run_for_breakdown(tmp_path, plan, steps: int) -> dict:
     plan.save(plan_path)
     proc = subprocess.run(build_command(plan_path, plan, steps=steps, out=out), capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    run = json.loads(out.read_text())
+    # The log lines' step times (every step of a short run logs) are each step's slowest rank's.
+    logged = [float(m) for m in re.findall(r"lr [^,]+, (?:grad norm [^,]+, )?([0-9.]+) s,", proc.stdout)]
+    assert logged == [round(max(r["step_times_s"][k] for r in run["ranks"]), 3) for k in range(steps)], proc.stdout
+    return run
 
 
 def assert_breakdown_adds_up(report: dict) -> dict:
