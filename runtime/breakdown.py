@@ -8,7 +8,9 @@ nearest event around it that names one (itself included):
   optimizer   the optimizer step (plan::optimizer), ZeRO-1's broadcasts inside it
   dp_comm     FSDP2 / replicate hooks: all-gathers, reduce-scatters, all-reduces and their copies
   tp_comm     DTensor's functional collectives (tensor parallelism) and waiting on them
-  p2p         pipeline sends and receives, waiting on them included (so the bubble is here)
+  p2p         pipeline sends and receives, waiting on them included (so the bubble is here:
+              torch's schedules wait in schedules._wait_batch_p2p, which records no event of
+              its own, so the profiled step marks each of those waits, marked_pipeline_waits)
   compute     every other op: forward, backward, recompute, the loss
 
 and `other` is the rest of the wall time (Python, hooks' bookkeeping): on CPU processes the
@@ -22,6 +24,7 @@ the step and `other` is 0.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from typing import Callable
@@ -31,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from planner.verify import MEASURED_COMPONENTS as COMPONENTS
 
 OPTIMIZER_MARK = "plan::optimizer"
+P2P_WAIT_MARK = "plan::p2p_wait"
 
 
 def component_of(name: str) -> str | None:
@@ -41,7 +45,7 @@ def component_of(name: str) -> str | None:
         return "dp_comm"
     if name.startswith("_c10d_functional::") or name.startswith("c10d_functional::"):
         return "tp_comm"
-    if name.startswith(("gloo:send", "gloo:recv", "nccl:send", "nccl:recv", "c10d::send", "c10d::recv")):
+    if name.startswith((P2P_WAIT_MARK, "gloo:send", "gloo:recv", "nccl:send", "nccl:recv", "c10d::send", "c10d::recv")):
         return "p2p"
     return None
 
@@ -88,7 +92,7 @@ def profile_step(step: Callable[[], None], synchronize: Callable[[], None],
     """Run `step` once under torch.profiler; (seconds per component, the step's wall seconds)."""
     synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with marked_pipeline_waits(), profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
         synchronize()
@@ -97,6 +101,32 @@ def profile_step(step: Callable[[], None], synchronize: Callable[[], None],
     out = {k: parts.get(k, 0.0) for k in COMPONENTS if k != "other"}
     out["other"] = max(0.0, wall - sum(out.values()))
     return out, wall
+
+
+@contextlib.contextmanager
+def marked_pipeline_waits():
+    """Within it, each wait of torch's pipeline schedules on their sends and receives is an
+    event of its own (P2P_WAIT_MARK). Unmarked, a wait was the self time of the event around it:
+    GPipe waits inside its "Forward i" / "Backward i" regions, so its bubble read as compute
+    (the GPT's pp 4 GPipe: 105 ms of compute where 1F1B's was 40, bench/time_fidelity.py
+    2026-12-05), and 1F1B waits outside any, so its bubble read as other. Only the profiled
+    step runs within it; torch versions without schedules._wait_batch_p2p are left as they are."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if original is None:
+        yield
+        return
+
+    def marked(work):
+        with record_function(P2P_WAIT_MARK):
+            return original(work)
+
+    schedules._wait_batch_p2p = marked
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
 
 
 def optimizer_region():

@@ -234,6 +234,31 @@ def assert_breakdown_adds_up(report: dict) -> dict:
     return parts
 
 
+def test_a_pipeline_wait_is_p2p_not_the_region_around_it():
+    """torch's GPipe waits for a receive inside its "Forward i" region, and the wait records no
+    event: the profiled step marks it, so the bubble is p2p and not compute. A real Work on a
+    future another thread completes 50 ms later, waited on through torch's own schedules."""
+    import threading
+    from torch.distributed.pipelining import schedules
+    from runtime.breakdown import profile_step
+    make_work = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+    if make_work is None or not hasattr(schedules, "_wait_batch_p2p"):
+        pytest.skip("this torch has no Work from a future, or its schedules wait elsewhere")
+    a = torch.randn(64, 64)
+
+    def step():
+        arrived = torch.futures.Future()
+        threading.Timer(0.05, lambda: arrived.set_result(None)).start()
+        with torch.profiler.record_function("Forward 0"):
+            schedules._wait_batch_p2p([make_work(arrived)])
+            a @ a
+    profile_step(step, lambda: None)                    # the profiler's first start is slow
+    parts, wall = profile_step(step, lambda: None)
+    assert parts["p2p"] >= 0.045 and parts["p2p"] > parts["compute"], parts
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.02)
+    assert schedules._wait_batch_p2p.__name__ == "_wait_batch_p2p"   # torch's own again after the step
+
+
 def test_cli_run_writes_the_report(tmp_path):
     """A pp2 run: the report, the losses of one process, and a breakdown whose pipeline part is seen."""
     steps = 4                                      # the 4th runs under the profiler, and trains like the others
