@@ -74,7 +74,7 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d')}: {MODELS[args.model]} as pp 4 on 4 processes, predicted with {how} "
             f"(pipeline_overhead_s {1e3 * hw.pipeline_overhead_s:.2f} ms, pipeline_contention_s "
             f"{1e3 * hw.pipeline_contention_s:.2f} ms, host_cores {hw.host_cores:.2f}); measured = the median over runs "
-            "of each run's median over ranks of their median of 7 timed steps.\n\n" + "\n".join(rows) + "\n")
+            "of each run's step (RunReport.step_s: over its 7 timed steps, the median of the slowest rank's time).\n\n" + "\n".join(rows) + "\n")
     out = ROOT / "bench" / "results" / ("pipeline_contention.md" if args.model == "mlp" else f"pipeline_contention_{args.model}.md")
     out.write_text(text)
     print(text)

@@ -68,8 +68,7 @@ def compare(plan: Plan, plan_path: str | Path, run: RunReport) -> tuple[list[Sta
         measured = max(r.peak_bytes for r in mine)
         rows.append(StageRow(pp_rank, [r.rank for r in mine], peak, measured, 100.0 * (peak - measured) / max(measured, 1),
                              max(r.reserved_bytes for r in mine)))
-    # Every rank waits for the others each step, so they take the same time per step on
-    # the whole; the median over ranks of their median steps is the least noisy figure.
+    # Every rank starts each step at once, so the step is its slowest rank's (RunReport.step_s).
     measured_step = run.step_s
     return rows, (predicted(plan).step_time_s, measured_step)
 
