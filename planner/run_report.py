@@ -31,7 +31,7 @@ class RankReport:
     stages: list[int]                                  # the pipeline stages this rank runs
     peak_bytes: int                                    # device memory at the measured step's peak
     step_times_s: list[float]                          # every step's wall time
-    median_step_s: float                               # the median of its timed steps (timed_steps)
+    median_step_s: float                               # the median of its timed steps (step_roles)
     threads: int = 1                                   # intra-op threads this rank ran with
     breakdown_s: dict[str, float] | None = None        # the profiled last step by component (runtime/breakdown.py)
     breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
@@ -88,7 +88,7 @@ class RunReport:
         the log line's norm all-reduce between steps, the early ranks waited outside their
         timers; runs without it, every rank in lockstep, measured the slowest rank's time on
         every rank, 2026-12-06, docs/fidelity.md.)"""
-        return statistics.median(max(r.step_times_s[i] for r in self.ranks) for i in timed_steps(self.steps))
+        return statistics.median(max(r.step_times_s[i] for r in self.ranks) for i in step_roles(self.steps)[2])
 
     @property
     def samples_per_s(self) -> float:
@@ -132,11 +132,16 @@ class RunReport:
                 raise ValueError(f"rank {r.rank}'s breakdown_s is not seconds by component")
 
 
-def timed_steps(n: int) -> list[int]:
-    """Which of a launch's n steps (counted from 0) time the step: the first warms up, the second
-    measures memory, and the last (n >= 4) runs under the profiler, so 2..n-2; with fewer steps,
+def step_roles(n: int) -> tuple[int, int | None, list[int]]:
+    """What each of a launch's n steps (counted from 0) is for, the one rule the runtime runs by
+    and a run document is read by: (the step that measures memory, the step under the profiler
+    (None for fewer than 4), the steps that time the step). The first warms up, the second
+    measures memory, the last runs under the profiler, so 2..n-2 are timed; with fewer steps,
     what there is."""
-    return list(range(2, n - 1 if n >= 4 else n)) or [n - 1]
+    measured = min(1, n - 1)
+    profiled = n - 1 if n >= 4 else None
+    timed = [i for i in range(2, n) if i != profiled] or [n - 1]
+    return measured, profiled, timed
 
 
 def load_run(path: str | Path) -> RunReport:

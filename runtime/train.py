@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.plan import Plan
-from planner.run_report import RankReport, timed_steps
+from planner.run_report import RankReport, step_roles
 from profiles.live_memory import LiveMemory
 from profiles.model_file import ModelSpec, build_checked_model
 
@@ -165,8 +165,7 @@ class Trainer:
         after the steps that log (both outside the step's timing)."""
         p, plan = self.parallel, self.parallel.plan
         n = steps - start
-        measured = min(1, n - 1)  # the launch's second step, or the only one
-        profiled = n - 1 if n >= 4 else None
+        measured, profiled, timed_steps = step_roles(n)
         losses, times, peak, breakdown = [], [], 0, None
         for k, step in enumerate(range(start, steps)):
             torch.manual_seed(plan.seed + 1 + step)
@@ -212,7 +211,7 @@ class Trainer:
         if p.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(p.device)
             reserved = torch.cuda.max_memory_reserved(p.device)   # since the process began: the cache fragmentation leaves
-        timed = [times[i] for i in timed_steps(n)]
+        timed = [times[i] for i in timed_steps]
         report = RankReport(rank=dist.get_rank(), pp_rank=p.pp_rank, dp_rank=p.dp_rank, tp_rank=p.tp_rank,
                             stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
