@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import display
 from planner.hardware import DEFAULT_HARDWARE
 from runtime.config import HELP as TRAIN_HELP
-from runtime.launch import DEFAULT_TIMEOUT_S
+from runtime.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 out = Console()
@@ -411,7 +411,7 @@ def print_plan(plan, wide: bool = False) -> None:
 @app.command()
 def run(
     plan_path: Path = typer.Argument(Path("plan.json"), metavar="[PLAN]"),
-    steps: Optional[int] = typer.Option(None, help="Training steps (default: the runtime's, 6)."),
+    steps: Optional[int] = typer.Option(None, help=f"Training steps (default {DEFAULT_STEPS}: 1 warms up, 1 measures memory, the last runs under the profiler, the rest are timed)."),
     run_out: Optional[Path] = typer.Option(None, "--out", help="Where rank 0 writes run.json (default: run.json here)."),
     nnodes: Optional[int] = typer.Option(None, help="Nodes (torchrun --nnodes; default: the plan's)."),
     node_rank: int = typer.Option(0, help="This node's rank (torchrun --node-rank)."),

@@ -33,7 +33,7 @@ from .api import agent_store, apply_plan, init_distributed, leave
 from .checkpoint import CheckpointError, CheckpointInfo
 from .config import ConfigError, TrainConfig, add_train_args, load_config
 from .data import batch_source
-from .launch import DEFAULT_TIMEOUT_S
+from .launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S
 from .pipeline import schedule_problem
 from .train import Checkpointing, StepLog, Stopped, Trainer, build_model, reduce_losses
 from .weights import WeightsError, load_weights, weight_sources
@@ -54,7 +54,7 @@ RUN_ERRORS = (PlanError, RunError, ModelFileError, ConfigError, CheckpointError,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (under torchrun).")
     p.add_argument("plan", help="plan.json written by `plan solve`")
-    p.add_argument("--steps", type=int, default=6, help="training steps; step 1 warms up, step 2 measures memory, "
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps; step 1 warms up, step 2 measures memory, "
                    "3..S-1 time, and (S >= 4) step S runs under the profiler for the time breakdown")
     p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,

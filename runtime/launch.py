@@ -14,6 +14,13 @@ from pathlib import Path
 
 
 DEFAULT_TIMEOUT_S = 300.0   # a collective's wait for the other ranks (torch's default, 30 min, hides a hang)
+# Steps a run takes unless told: 1 warms up, 1 measures memory, 17 are timed, 1 is profiled
+# (run_report.step_roles). Six (3 timed) read the README demo's step 5-20% slow in 6 of 8
+# runs: its steps 3-5 take longer than the ones after (median over a run's steps 3-5 against
+# its steps 6-19: 134/122, 125/113, 125/116, 136/116, 140/120, 131/124, 118/117 and
+# 113/114 ms), so six-step runs measured 116-136 ms where twenty-step runs measured
+# 113-125 ms, alternated on the 2-core VM (2026-12-06, docs/fidelity.md).
+DEFAULT_STEPS = 20
 # How long stopped ranks (Ctrl-C) may take to finish their step and write a checkpoint, when
 # they write checkpoints, before they are killed; without checkpoints, STOP_GRACE_S.
 STOP_GRACE_S = 15.0
