@@ -573,6 +573,9 @@ def verify(
     t, worst = display.memory_check_table(rows, f"predicted vs measured: {plan_path} / {run_path}", tolerance)
     out.print(t)
     out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
+    busy = display.cores_busy_line(run_doc)
+    if busy:
+        out.print(busy, highlight=False)
     ran = {r.threads for r in run_doc.ranks}
     if plan.device_type == "cpu" and ran and ran != {plan.threads}:
         out.print(f"[yellow]note:[/] the ranks ran with {', '.join(map(str, sorted(ran)))} threads but the profile timed "

@@ -210,6 +210,17 @@ def time_check_table(rows, rank: int) -> Group:
     return titled(title, t)
 
 
+def cores_busy_line(run) -> str | None:
+    """On CPU processes: how many cores the ranks kept busy in a step (RunReport.cores_busy),
+    of how many the machine has; None on GPUs and for runs that did not record it."""
+    busy = run.cores_busy
+    if run.device != "cpu" or busy is None:
+        return None
+    of = f" of the {run.host_cpus} this machine has" if run.host_cpus else ""
+    full = " (bound by the cores)" if run.host_cpus and busy >= 0.85 * run.host_cpus else ""
+    return f"CPU: the ranks kept {busy:.2f} cores busy over a step{of}{full}: their processes' CPU time / the step's."
+
+
 def run_summary(run) -> str:
     """One line: what ran, the loss from first to last step, the throughput (and MFU on GPUs)."""
     rate = f"{run.tokens_per_s:,.0f} tokens/s" if run.tokens_per_sample else f"{run.samples_per_s:,.1f} samples/s"

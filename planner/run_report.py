@@ -36,6 +36,7 @@ class RankReport:
     breakdown_s: dict[str, float] | None = None        # the profiled last step by component (runtime/breakdown.py)
     breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
     reserved_bytes: int = 0                            # CUDA: the allocator's most reserved over the run (max_memory_reserved); 0 on CPU
+    cpu_times_s: list[float] = field(default_factory=list)  # every step's CPU time of the rank's process, all its threads ([]: not recorded)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RunReport:
     tokens_per_sample: int = 0  # token ids per input row (integer inputs); 0: the inputs are not tokens
     checkpoint: str = ""       # the last checkpoint this launch wrote ("" if none)
     mfu: float = 0.0           # the plan's model FLOPs per step over the hardware's peak at the measured step (0: the plan predicts none)
+    host_cpus: int = 0         # CPUs rank 0's machine has (os.cpu_count(); 0: not recorded)
     schema: int = RUN_SCHEMA_VERSION
     kind: str = "run"
 
@@ -91,6 +93,18 @@ class RunReport:
         return statistics.median(max(r.step_times_s[i] for r in self.ranks) for i in step_roles(self.steps)[2])
 
     @property
+    def cores_busy(self) -> float | None:
+        """How many CPU cores the ranks kept busy: over the timed steps, the median of all
+        ranks' CPU time in the step (every thread of each process: gloo's too) over the step's
+        time (its slowest rank's). None where a rank recorded no CPU times (runs written before
+        they were). On CPU processes, a figure near the machine's cores says the run was
+        bound by them, whatever its pipeline bubbles."""
+        if not all(r.cpu_times_s for r in self.ranks):
+            return None
+        return statistics.median(sum(r.cpu_times_s[i] for r in self.ranks) / max(r.step_times_s[i] for r in self.ranks)
+                                 for i in step_roles(self.steps)[2])
+
+    @property
     def samples_per_s(self) -> float:
         return self.global_batch / self.step_s
 
@@ -109,7 +123,7 @@ class RunReport:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} is {getattr(self, name)!r}, not text")
         whole("steps", self.steps, 1)
-        for name in ("first_step", "global_batch", "tokens_per_sample"):
+        for name in ("first_step", "global_batch", "tokens_per_sample", "host_cpus"):
             whole(name, getattr(self, name))
         if not isinstance(self.mfu, (int, float)) or isinstance(self.mfu, bool) or not 0 <= self.mfu:
             raise ValueError(f"mfu is {self.mfu!r}")
@@ -126,6 +140,9 @@ class RunReport:
                 whole(f"rank {r.rank}'s {name}", getattr(r, name))
             if len(r.step_times_s) != self.steps or not all(isinstance(x, (int, float)) and x >= 0 for x in r.step_times_s):
                 raise ValueError(f"rank {r.rank} has {len(r.step_times_s)} step times for {self.steps} steps")
+            if r.cpu_times_s and (len(r.cpu_times_s) != self.steps
+                                  or not all(isinstance(x, (int, float)) and x >= 0 for x in r.cpu_times_s)):
+                raise ValueError(f"rank {r.rank} has {len(r.cpu_times_s)} CPU times for {self.steps} steps")
             if not isinstance(r.median_step_s, (int, float)) or r.median_step_s <= 0:
                 raise ValueError(f"rank {r.rank}'s median_step_s is {r.median_step_s!r}")
             if r.breakdown_s is not None and not all(isinstance(v, (int, float)) for v in r.breakdown_s.values()):

@@ -345,7 +345,8 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
         run = RunReport(plan_path=args.plan, plan_sha256=hashlib.sha256(Path(args.plan).read_bytes()).hexdigest(),
                         world_size=plan.world_size, steps=args.steps - start, losses=losses, device=device_name(plan),
                         torch_version=torch.__version__, ranks=reports, first_step=start, global_batch=plan.global_batch,
-                        tokens_per_sample=trainer.tokens_per_sample, checkpoint=str(trainer.saved or ""))
+                        tokens_per_sample=trainer.tokens_per_sample, checkpoint=str(trainer.saved or ""),
+                        host_cpus=os.cpu_count() or 0)
         run.mfu = measured_mfu(plan, run.step_s)
         run.validate()                   # what verify will check: a bug here, not a bad run document
         run.save(args.out)

@@ -166,7 +166,7 @@ class Trainer:
         p, plan = self.parallel, self.parallel.plan
         n = steps - start
         measured, profiled, timed_steps = step_roles(n)
-        losses, times, peak, breakdown = [], [], 0, None
+        losses, times, cpu_times, peak, breakdown = [], [], [], 0, None
         for k, step in enumerate(range(start, steps)):
             torch.manual_seed(plan.seed + 1 + step)
             inputs, targets = (t.to(p.device) for t in self.source.batch(step, p.dp_rank))
@@ -181,6 +181,7 @@ class Trainer:
             if on_start:
                 on_start(step)
             self._start_together()
+            cpu0 = time.process_time()
             if k == profiled:
                 out: list = []
                 breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize,
@@ -196,6 +197,7 @@ class Trainer:
                     times.append(time.perf_counter() - t0)
                 if memory is not None:
                     peak = memory.peak
+            cpu_times.append(time.process_time() - cpu0)      # this process's threads, gloo's included
             losses.append(float(loss) if loss is not None else 0.0)
             norm = p.global_grad_norm()          # every rank: a collective when the step logs without clipping
             if logs:
@@ -216,7 +218,7 @@ class Trainer:
                             stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
                             breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0,
-                            reserved_bytes=int(reserved))
+                            reserved_bytes=int(reserved), cpu_times_s=cpu_times)
         return losses, report
 
     @contextlib.contextmanager

@@ -276,6 +276,10 @@ def test_cli_run_writes_the_report(tmp_path):
         assert r["median_step_s"] == statistics.median(r["step_times_s"][2:3])   # the profiled step is not timed
     # The run's step: its slowest rank's timed step (each step starts on both ranks at once).
     assert RunReport.from_json(run).step_s == max(r["step_times_s"][2] for r in run["ranks"])
+    # Each step's CPU time, per rank: some, and no more than the machine's cores could give it.
+    report = RunReport.from_json(run)
+    assert all(len(r.cpu_times_s) == steps and min(r.cpu_times_s) > 0 for r in report.ranks)
+    assert 0 < report.cores_busy <= (os.cpu_count() or 1) * 1.05
 
 
 def test_breakdown_sees_each_kind_of_collective(tmp_path):

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import display
+
 from planner.cost import Candidate, CostModel
 from planner.hardware import PRESETS, CollectiveFit, Hardware, load_cluster_file
 from planner.run_report import RankReport, RunReport
@@ -605,3 +607,20 @@ def test_a_runs_step_lasts_as_long_as_its_slowest_rank():
     assert run.step_s == pytest.approx(0.110)            # the steps' slowest: 0.100, 0.130, 0.110
     ranks[2].step_times_s[2] = 0.115
     assert run.step_s == pytest.approx(0.115)            # 0.115, 0.130, 0.110
+
+
+def test_cores_busy_is_all_ranks_cpu_time_over_the_step():
+    """Per timed step, the ranks' CPU times added up over that step's (slowest rank's) time,
+    the median over the timed steps; None where a rank recorded none (older run documents)."""
+    times = [[0.9, 0.5, 0.100, 0.100, 0.200, 0.9], [0.9, 0.5, 0.050, 0.080, 0.100, 0.9]]
+    cpu = [[0.5, 0.3, 0.090, 0.060, 0.150, 0.5], [0.5, 0.3, 0.040, 0.070, 0.100, 0.5]]
+    ranks = [RankReport(r, 0, r, 0, [0], 1 << 20, times[r], 0.1, cpu_times_s=cpu[r]) for r in range(2)]
+    run = RunReport("p.json", "0" * 64, 2, 6, [1.0] * 6, "cpu", "2.13", ranks, host_cpus=2)
+    run.validate()
+    assert run.cores_busy == pytest.approx(1.3)          # steps 3-5: 0.13 / 0.1, 0.13 / 0.1, 0.25 / 0.2
+    assert "1.30 cores busy" in display.cores_busy_line(run) and "of the 2" in display.cores_busy_line(run)
+    ranks[1].cpu_times_s = []
+    assert run.cores_busy is None and display.cores_busy_line(run) is None
+    ranks[1].cpu_times_s = [0.1] * 5                     # one short: a damaged document
+    with pytest.raises(ValueError, match="5 CPU times for 6 steps"):
+        run.validate()
