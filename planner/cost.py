@@ -92,7 +92,7 @@ class LayerCost:
     compute_s: float       # forward + backward (+ recompute) per micro-batch
     comm_s: float          # exposed collective time per micro-batch (TP all-reduces, FSDP gathers / reduce-scatters)
     offload_s: float       # host<->device copies per micro-batch
-    step_s: float          # once per step, never hidden: optimizer step (device or host), ZeRO-1 broadcasts
+    step_s: float          # once per step, never hidden: optimizer step (device or host), ZeRO-1 broadcasts, settling gradients
     sync_s: float          # once per step, hideable behind the last backward: gradient all-reduce (replicate), final reduction (pipelining)
     model_flops: int       # forward + backward FLOPs of one micro-batch on this rank, no recompute
     tp_comm_s: float = 0.0  # the part of comm_s that is TP collectives
@@ -102,6 +102,9 @@ class LayerCost:
     # reduction copies in step_s; the runtime's breakdown counts both as dp_comm (stage_parts)
     fsdp_hooks_s: float = 0.0
     fsdp_sync_copies_s: float = 0.0
+    # Gradients left in another layout than their parameter's (sequence parallelism's norms):
+    # their TP all-reduces, in step_s; the breakdown counts them as tp_comm (stage_parts)
+    tp_grad_sync_s: float = 0.0
 
     @property
     def micro_batch_s(self) -> float:
@@ -365,13 +368,17 @@ class CostModel:
         sync_copies = (lp.fsdp_overhead_s.get("replicate_sync", 0.0) * scale   # replicate's reduction copies
                        if self.measured_here and mode == "replicate" else 0.0)
         step_s += sync_copies
+        # One TP all-reduce a step for each gradient that leaves the backward in another layout
+        # than its parameter's (profiles' gradients_to_settle: a sequence-parallel norm's).
+        tp_grad_sync = self.collective_s("all_reduce", s.tp_grad_sync_bytes, t, cand, count=s.tp_grad_sync_count)
+        step_s += tp_grad_sync
         if zero1 and d > 1:
             # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
             step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
                           for sh in shapes)
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
                          forward_s=fwd_s * scale, recompute_s=recompute * scale, fsdp_hooks_s=hooks * scale,
-                         fsdp_sync_copies_s=sync_copies)
+                         fsdp_sync_copies_s=sync_copies, tp_grad_sync_s=tp_grad_sync)
 
     def _sac_recompute_s(self, s: LayerSample, fwd_s: float) -> float:
         """What selective checkpointing runs again in backward: as measured here, else (times
@@ -641,12 +648,13 @@ class CostModel:
         tp = sum(c.tp_comm_s for c in costs) + (loss.tp_comm_s if loss else 0.0)
         offload = sum(c.offload_s for c in costs)
         dp_mb = sum(c.comm_s - c.tp_comm_s for c in costs) + hooks
-        step = sum(c.step_s - c.fsdp_sync_copies_s for c in costs)
+        tp_sync = sum(c.tp_grad_sync_s for c in costs)
+        step = sum(c.step_s - c.fsdp_sync_copies_s for c in costs) - tp_sync
         forward = sum(c.forward_s for c in costs) + (loss.forward_s if loss else 0.0)
         recompute = sum(c.recompute_s for c in costs)
         return {"compute": compute, "tp_comm": tp, "offload": offload, "dp_comm": dp_mb,
                 "p2p": per_mb - compute - tp - offload - dp_mb,
-                "optimizer": step, "dp_sync": per_step - step,
+                "optimizer": step, "tp_sync": tp_sync, "dp_sync": per_step - step - tp_sync,
                 # compute split for the timeline (they add up to compute)
                 "forward": forward, "recompute": recompute, "backward": compute - forward - recompute}
 
@@ -666,7 +674,8 @@ class CostModel:
         # The step by component: m micro-batches of the slowest rank, the bubble (the other
         # ranks' one micro-batch each, over v), and the once-per-step work of the rank with the most of it.
         sp, fp = slowest.parts, fullest.parts
-        comps = {k: m * sp[k] for k in ("compute", "tp_comm", "offload", "p2p")}
+        comps = {k: m * sp[k] for k in ("compute", "offload", "p2p")}
+        comps["tp_comm"] = m * sp["tp_comm"] + fp["tp_sync"]
         comps["dp_comm"] = m * sp["dp_comm"] + fp["dp_sync"]
         comps["bubble"] = (total - slowest.micro_batch_s) * (1 / v)
         comps["optimizer"] = fp["optimizer"]

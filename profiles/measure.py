@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from . import model_file as mf
 from .checkpointing import checkpointed_call
@@ -276,6 +277,7 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
     ck = [measure_memory(ckpt, layer, x) for _ in range(2)][-1]
     sel = [measure_memory(sac, layer, x) for _ in range(2)][-1]
     fwd, bwd = measure_cost(layer, x, op_seconds, opts.op_launch_s)
+    sync_count, sync_bytes = gradients_to_settle(layer)
     _, sac_bwd = measure_cost(sac, x, op_seconds, opts.op_launch_s)
     if opts.fake or not timed:
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
@@ -301,7 +303,25 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
         tp_fwd_comm_count=fwd.all_reduce_count, tp_bwd_comm_count=bwd.all_reduce_count,
         sp_fwd_comm_bytes=fwd.gather_scatter_bytes, sp_bwd_comm_bytes=bwd.gather_scatter_bytes,
         sp_fwd_comm_count=fwd.gather_scatter_count, sp_bwd_comm_count=bwd.gather_scatter_count,
+        tp_grad_sync_count=sync_count, tp_grad_sync_bytes=sync_bytes,
     )
+
+
+def gradients_to_settle(layer: nn.Module) -> tuple[int, int]:
+    """(count, local bytes) of the layer's gradients, after a backward, whose layout is not their
+    parameter's: under sequence parallelism a norm's weight gradient is a partial sum over this
+    rank's slice of the sequence, which one all-reduce over the TP group settles a step (the
+    runtime's Trainer._settle_grads, or FSDP2's reduction). Counted here, outside the backward
+    whose collectives measure_cost counts: the runtime's dp2 x tp2 GPT under sequence
+    parallelism issued 20 such all-reduces a step beside its 34 gathers and scatters, and ran
+    33% over its prediction without them (2026-12-06, docs/fidelity.md)."""
+    count = nbytes = 0
+    for p in layer.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            count += 1
+            nbytes += g.to_local().numel() * g.element_size()
+    return count, nbytes
 
 
 def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor, opts, op_seconds) -> LayerSample:

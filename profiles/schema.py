@@ -93,13 +93,20 @@ class LayerSample:
     sp_bwd_comm_count: int = 0
     sac_sp_bwd_comm_bytes: int = 0
     sac_sp_bwd_comm_count: int = 0
+    # Gradients that leave the backward in another layout than their parameter's (under sequence
+    # parallelism a norm's, a partial sum over this rank's slice of the sequence): one TP
+    # all-reduce each, once per step, when the runtime (or FSDP2) gives them their parameter's
+    # layout (bytes of the local gradients; tp and sp samples; 0 where not counted)
+    tp_grad_sync_bytes: int = 0
+    tp_grad_sync_count: int = 0
 
 
 SAMPLE_FIELDS = [f.name for f in fields(LayerSample)]
 INT_FIELDS = {f.name for f in fields(LayerSample) if f.type == "int"}
 TP_COMM_FIELDS = {"tp_fwd_comm_bytes", "tp_bwd_comm_bytes", "tp_fwd_comm_count", "tp_bwd_comm_count",
                   "sac_tp_bwd_comm_bytes", "sac_tp_bwd_comm_count", "sp_fwd_comm_bytes", "sp_bwd_comm_bytes",
-                  "sp_fwd_comm_count", "sp_bwd_comm_count", "sac_sp_bwd_comm_bytes", "sac_sp_bwd_comm_count"}
+                  "sp_fwd_comm_count", "sp_bwd_comm_count", "sac_sp_bwd_comm_bytes", "sac_sp_bwd_comm_count",
+                  "tp_grad_sync_bytes", "tp_grad_sync_count"}
 TIME_FIELDS = {"fwd_s", "bwd_s", "sac_recompute_s"}
 # Whether a layer keeps its input or output is a yes/no fact of its ops, not a size that
 # shrinks with tensor parallelism; these are taken from the tp=1 sample as they are.

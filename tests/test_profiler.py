@@ -311,7 +311,8 @@ def test_sequence_parallel_activation_memory_is_korthikanti_et_al(tp):
     the whole input and cuts its slice, the second (the last) gathers its output back.
     Its collectives are Megatron's: per micro-batch, an all-gather before and a
     reduce-scatter after each of the two regions, and their mirror images in the backward,
-    each of the whole activation (2sbh), and no all-reduce."""
+    each of the whole activation (2sbh), and no all-reduce inside the layer; the norms' partial
+    gradients are settled once a step, outside it."""
     from tests import paper_gpt as paper
 
     prof = paper_profile()
@@ -326,6 +327,11 @@ def test_sequence_parallel_activation_memory_is_korthikanti_et_al(tp):
             assert (got.sp_fwd_comm_count, got.sp_bwd_comm_count) == (4 + i, 4)
             assert (got.sp_fwd_comm_bytes, got.sp_bwd_comm_bytes) == ((4 + i) * 2 * sbh, 4 * 2 * sbh)
             assert got.tp_fwd_comm_bytes == got.tp_bwd_comm_bytes == 0
+            # The two norms' weights and biases come out of the backward as partial sums over
+            # this rank's slice of the sequence: one all-reduce each a step, of the whole
+            # gradient (h bf16 values); without sequence parallelism none does.
+            assert (got.tp_grad_sync_count, got.tp_grad_sync_bytes) == (4, 4 * h * 2)
+            assert prof.layers[i].at_tp(b, tp).tp_grad_sync_count == 0
         # What passes between the layers is the slice: 1/t of the hidden states.
         assert prof.layers[0].at_tp(b, tp, True).output_bytes == prof.layers[1].at_tp(b, tp, True).input_bytes == 2 * sbh / tp
 

@@ -392,6 +392,34 @@ def test_times_moved_to_another_device_take_no_less_than_its_host_issues_the_ops
             hw.op_seconds(prof.precision, "other", s.fwd_flops, s.fwd_io_bytes))
 
 
+def test_sequence_parallel_norm_gradients_cost_one_all_reduce_each_a_step():
+    """The gradients a layer's backward leaves in another layout than their parameter's (the
+    profile's tp_grad_sync_*: sequence parallelism's norms) cost a TP all-reduce each, once a
+    step whatever the micro-batch count, and count as tp_comm in the step's components."""
+    prof = add_tensor_parallel_samples(random.Random(3), tiny_profile())
+    for lp in prof.layers:
+        for s in lp.sp_samples.values():
+            s.tp_grad_sync_count, s.tp_grad_sync_bytes = 4, 512
+        lp.refit()
+    hw = PRESETS["h100-sxm-80g"]
+    model = CostModel(prof, hw, 8, 1 << 40)
+    stages = [[(i, "none", False) for i in range(prof.n_layers)]]
+    for m in (1, 4):
+        plain, sp = (Candidate(1, 4, 1, 2, m, 0, "1f1b", False, False, sequence_parallel=q) for q in (False, True))
+        settle = model.collective_s("all_reduce", 512, 4, sp, count=4)
+        assert settle > 0
+        for i in range(prof.n_layers):
+            assert model.layer(plain, i, "none", False).tp_grad_sync_s == 0
+            assert model.layer(sp, i, "none", False).tp_grad_sync_s == pytest.approx(settle)
+        pred = model.evaluate(sp, stages)
+        without = sum(c.step_s - c.tp_grad_sync_s for c in model.stage_costs(sp, 0, stages[0])[0])
+        assert pred.components["optimizer"] == pytest.approx(without)
+        # tp_comm: m micro-batches' collectives and the settling once
+        per_mb = pred.stages[0].parts["tp_comm"]
+        assert pred.components["tp_comm"] == pytest.approx(m * per_mb + prof.n_layers * settle)
+        assert pred.step_s == pytest.approx(sum(v for k, v in pred.components.items() if k != "total"))
+
+
 def test_fsdp_units_cost_their_measured_hooks_and_copies():
     prof = tiny_profile()
     for lp in prof.layers:
