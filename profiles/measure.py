@@ -313,8 +313,8 @@ def gradients_to_settle(layer: nn.Module) -> tuple[int, int]:
     rank's slice of the sequence, which one all-reduce over the TP group settles a step (the
     runtime's Trainer._settle_grads, or FSDP2's reduction). Counted here, outside the backward
     whose collectives measure_cost counts: the runtime's dp2 x tp2 GPT under sequence
-    parallelism issued 20 such all-reduces a step beside its 34 gathers and scatters, and ran
-    33% over its prediction without them (2026-12-06, docs/fidelity.md)."""
+    parallelism issued 16 such all-reduces a step beside its 34 gathers and scatters, and was
+    predicted 33% short without them (2026-12-06, docs/fidelity.md)."""
     count = nbytes = 0
     for p in layer.parameters():
         g = p.grad
