@@ -90,7 +90,11 @@ class RunReport:
         the log line's norm all-reduce between steps, the early ranks waited outside their
         timers; runs without it, every rank in lockstep, measured the slowest rank's time on
         every rank, 2026-12-06, docs/fidelity.md.)"""
-        return statistics.median(max(r.step_times_s[i] for r in self.ranks) for i in step_roles(self.steps)[2])
+        return statistics.median(self._slowest_s(i) for i in step_roles(self.steps)[2])
+
+    def _slowest_s(self, i: int) -> float:
+        """Step i's time: its slowest rank's (every rank starts it at once)."""
+        return max(r.step_times_s[i] for r in self.ranks)
 
     @property
     def cores_busy(self) -> float | None:
@@ -101,7 +105,7 @@ class RunReport:
         bound by them, whatever its pipeline bubbles."""
         if not all(r.cpu_times_s for r in self.ranks):
             return None
-        return statistics.median(sum(r.cpu_times_s[i] for r in self.ranks) / max(r.step_times_s[i] for r in self.ranks)
+        return statistics.median(sum(r.cpu_times_s[i] for r in self.ranks) / self._slowest_s(i)
                                  for i in step_roles(self.steps)[2])
 
     @property
@@ -138,11 +142,11 @@ class RunReport:
         for r in self.ranks:
             for name in ("pp_rank", "dp_rank", "tp_rank", "peak_bytes", "threads"):
                 whole(f"rank {r.rank}'s {name}", getattr(r, name))
-            if len(r.step_times_s) != self.steps or not all(isinstance(x, (int, float)) and x >= 0 for x in r.step_times_s):
-                raise ValueError(f"rank {r.rank} has {len(r.step_times_s)} step times for {self.steps} steps")
-            if r.cpu_times_s and (len(r.cpu_times_s) != self.steps
-                                  or not all(isinstance(x, (int, float)) and x >= 0 for x in r.cpu_times_s)):
-                raise ValueError(f"rank {r.rank} has {len(r.cpu_times_s)} CPU times for {self.steps} steps")
+            for what, seconds in (("step times", r.step_times_s), ("CPU times", r.cpu_times_s)):
+                if what == "CPU times" and not seconds:
+                    continue                        # not recorded (runs written before they were)
+                if len(seconds) != self.steps or not all(isinstance(x, (int, float)) and x >= 0 for x in seconds):
+                    raise ValueError(f"rank {r.rank} has {len(seconds)} {what} for {self.steps} steps")
             if not isinstance(r.median_step_s, (int, float)) or r.median_step_s <= 0:
                 raise ValueError(f"rank {r.rank}'s median_step_s is {r.median_step_s!r}")
             if r.breakdown_s is not None and not all(isinstance(v, (int, float)) for v in r.breakdown_s.values()):
