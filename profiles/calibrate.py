@@ -36,6 +36,8 @@ from typing import Callable
 
 from planner.hardware import PRESETS, CollectiveFit, Hardware
 
+from .allocator import keep_freed_memory
+
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 23)   # bytes of the whole tensor
 # Collectives timed back to back run in chains of this many. In chains of 4 a 4-rank gloo
 # broadcast's fitted latency was 1.1 ms in one run and 0.33 and 0.85 ms in two others on the
@@ -131,6 +133,7 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
 
     if device == "cpu":
         torch.set_num_threads(1)
+        keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -248,6 +251,7 @@ def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repea
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     loaded = _loaded_stage()
@@ -451,6 +455,7 @@ def _matmul_rate(n: int, seconds: float) -> float:
 def _matmul_worker(rank: int, n: int, seconds: float, barrier, queue) -> None:
     import torch
     torch.set_num_threads(1)
+    keep_freed_memory()
     barrier.wait()                     # every process computes over the same interval
     queue.put(_matmul_rate(n, seconds))
 
@@ -525,6 +530,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
         sources[name] = f"{where}): {how}"
 
     if device == "cpu":
+        keep_freed_memory()             # the host allocator the runtime's ranks run with (profiles/allocator.py)
         on_progress("single-thread rates")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

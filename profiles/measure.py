@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from . import model_file as mf
+from .allocator import keep_freed_memory
 from .checkpointing import checkpointed_call
 from .flops import OpCost
 from .live_memory import LiveMemory
@@ -568,6 +569,8 @@ def profile_model(spec: mf.ModelSpec, opts: ProfileOptions, on_progress: Callabl
     ops (`Hardware.op_seconds`: achievable rates, not peaks), or `opts.op_launch_s` an op
     where the host's issuing them takes longer (OpCost).
     """
+    if not opts.fake:
+        keep_freed_memory()              # the host allocator the runtime's ranks run with
     with _threads(opts.threads):
         return _profile_model(spec, opts, on_progress, op_seconds)
 

@@ -26,6 +26,7 @@ from rich.console import Console
 from display import run_summary, run_table
 from planner.plan import Plan, PlanError, load_plan
 from planner.run_report import RankReport, RunReport
+from profiles.allocator import keep_freed_memory
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 
 from . import checkpoint
@@ -282,6 +283,7 @@ def progress_printer(trainer: Trainer, tensorboard: str | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    keep_freed_memory()                  # as the profiler timed the layers (profiles/allocator.py)
     try:
         plan, spec, model = load_run_inputs(args.plan, train_config(args), on_meta=loads_every_weight(args))
         shapes = checkpoint.model_shapes(model)
