@@ -8,7 +8,8 @@ that share cores the kernel's time is the ranks' time. Measured on the 2-core VM
 processes of one thread each, the MLP example's forward and backward at micro-batch 4
 (3 runs each, 2026-12-06): with glibc's defaults 24-37 ms a step, 7-15 ms
 of it in the kernel (3,000-3,600 minor page faults a step); with freed memory kept 14-17 ms, 1-4
-ms in the kernel, no faults. Under FSDP2's replicate the step went 127-142 -> 107-114 ms.
+ms in the kernel, no faults. Whole runs of the runtime gain less (bench/host_allocator.py:
+the MLP's dp 4 ZeRO 0 and 3 0.86 and 0.91 of their steps, other layouts within noise).
 
 The profiler, `plan calibrate` and every rank of the runtime set the same thresholds, so that
 layers are timed under the allocator the plan runs with. `PLAN_KEEP_FREED_MEMORY=0` in the
