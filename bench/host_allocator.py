@@ -15,33 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from planner.run_report import load_run  # noqa: E402
+from time_fidelity import ROOT, STEPS, launch
 
 RESULTS = ROOT / "bench" / "results" / "host_allocator.md"
 LAYOUTS = ["mlp-dp4_zero0", "mlp-dp4_zero3", "mlp-pp4_1f1b", "gpt-dp4_zero0", "gpt-dp4_zero3", "gpt-pp4_1f1b",
            "llama-dp4_zero0", "llama-dp2_x_tp2"]
 MODES = {"glibc defaults": "0", "kept": "1"}     # PLAN_KEEP_FREED_MEMORY
-STEPS = 10
-
-
-def run(plan: Path, keep: str, out: Path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PLAN_KEEP_FREED_MEMORY": keep}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-                           "-m", "runtime", str(plan), "--steps", str(STEPS), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stdout[-2000:], proc.stderr[-3000:])
-        raise SystemExit(f"{plan.name}: the run failed")
-    return load_run(out)
 
 
 def main() -> None:
@@ -60,7 +43,7 @@ def main() -> None:
         for k in range(args.runs):                     # in turns, so that a slow patch hits both alike
             for name in layouts:
                 for mode, keep in MODES.items():
-                    doc = run(args.kept / f"{name}.json", keep, Path(tmp) / "run.json")
+                    doc = launch(args.kept / f"{name}.json", Path(tmp) / "run.json", {"PLAN_KEEP_FREED_MEMORY": keep})
                     got.setdefault((name, mode), []).append((doc.step_s, doc.cores_busy))
                     print(f"{name:22} {mode:15} run {k}: {doc.step_s * 1e3:7.1f} ms, "
                           f"{doc.cores_busy or float('nan'):.2f} cores busy", flush=True)

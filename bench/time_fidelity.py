@@ -142,15 +142,20 @@ def plans_for(model: str, prof, prof_path: Path, workdir: Path, hw) -> list[tupl
 
 
 def run(plan_path: Path, k: int) -> dict:
-    run_path = plan_path.with_suffix(f".run{k}.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return launch(plan_path, plan_path.with_suffix(f".run{k}.json"))
+
+
+def launch(plan_path: Path, out: Path, env: dict[str, str] | None = None):
+    """One run of the plan under torchrun on 4 CPU processes of one thread (STEPS steps, more
+    environment from `env`); its run.json written to `out` and loaded."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
-                           "-m", "runtime", str(plan_path), "--steps", str(STEPS), "--out", str(run_path)],
+                           "-m", "runtime", str(plan_path), "--steps", str(STEPS), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stdout[-2000:], proc.stderr[-3000:])
         raise SystemExit(f"{plan_path.name}: the run failed")
-    return load_run(run_path)
+    return load_run(out)
 
 
 def row(model: str, name: str, k: int, plan, doc) -> dict:

@@ -107,24 +107,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rounds_s(op: Callable[[], None] | None, compute: Callable[[], None], world_barrier: Callable[[], None],
+              rounds: int) -> float:
+    """Seconds a round of (a slice of compute, then op) takes, over `rounds` of them, every rank
+    starting at once."""
+    world_barrier()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        compute()
+        if op is not None:
+            op()
+    return (time.perf_counter() - t0) / rounds
+
+
 def _time_in_step(op: Callable[[], None] | None, compute: Callable[[], None], world_barrier: Callable[[], None],
                   repeats: int, rounds: int = 4) -> float:
     """Median seconds of `rounds` x (a slice of compute, then op), per round, every rank at once:
     a collective costs inside a step what it adds to the compute around it (on CPU processes
     its threads contend with the ranks' own compute, and ranks arrive at it unevenly)."""
-    def body():
-        for _ in range(rounds):
-            compute()
-            if op is not None:
-                op()
-    body()
-    times = []
-    for _ in range(repeats):
-        world_barrier()
-        t0 = time.perf_counter()
-        body()
-        times.append((time.perf_counter() - t0) / rounds)
-    return statistics.median(times)
+    _rounds_s(op, compute, world_barrier, rounds)
+    return statistics.median(_rounds_s(op, compute, world_barrier, rounds) for _ in range(repeats))
 
 
 def _added_in_step(op: Callable[[], None], compute: Callable[[], None], world_barrier: Callable[[], None],
@@ -135,16 +137,9 @@ def _added_in_step(op: Callable[[], None], compute: Callable[[], None], world_ba
     a 2-rank all-reduce of 1 KiB among 4 processes added 0.3-6.8 ms in 30 pairs, where the median
     of 7 ranged 2.3-3.6 ms from one set of 7 to the next and the mean of 30 2.7-2.9 ms over three
     launches (2-core VM, 2026-12-06)."""
-    def rounds_of(with_op: bool) -> float:
-        world_barrier()
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            compute()
-            if with_op:
-                op()
-        return (time.perf_counter() - t0) / rounds
-    rounds_of(True)
-    return trimmed_mean([rounds_of(True) - rounds_of(False) for _ in range(repeats)])
+    _rounds_s(op, compute, world_barrier, rounds)
+    return trimmed_mean([_rounds_s(op, compute, world_barrier, rounds) - _rounds_s(None, compute, world_barrier, rounds)
+                         for _ in range(repeats)])
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
