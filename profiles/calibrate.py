@@ -8,8 +8,8 @@ them:
   message size, for every group size that divides the process count, with every process
   busy at once (groups side by side, as under a plan), each timed as in a step: what it adds
   to a slice of compute before it, never less than it takes alone (broadcasts, which ZeRO-1
-  issues back to back after the optimizer step, and the pipeline's asynchronous sends: alone),
-  by the slowest rank;
+  issues back to back after the optimizer step from each rank in turn, and the pipeline's
+  asynchronous sends: alone), by the slowest rank;
   each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
 - on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
   the cores run at full speed at once (`host_cores`, from the same matmul run in every
@@ -24,6 +24,7 @@ source) written as a TOML cluster file that `plan solve --cluster` reads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import platform
@@ -206,7 +207,11 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                 elif kind == "reduce_scatter":
                     fn = lambda: reduce_scatter(part, whole, group=mine)                       # noqa: E731
                 elif kind == "broadcast":
-                    fn = lambda: dist.broadcast(whole, group=mine, group_src=0)                # noqa: E731
+                    # From each rank in turn, as ZeRO-1 broadcasts a parameter's chunks from their
+                    # owners: 4 gloo processes on the 2-core VM took 0.85-1.0 ms a 1 KiB broadcast
+                    # from one root and 0.3-0.75 ms from roots in turn (chains of 276, 2026-12-06).
+                    roots = itertools.cycle(range(g))
+                    fn = lambda: dist.broadcast(whole, group=mine, group_src=next(roots))      # noqa: E731
                 elif me == 0:
                     fn = lambda: dist.send(whole, group=mine, group_dst=1)                     # noqa: E731
                 else:
