@@ -661,28 +661,31 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
     }
 
 
-_CPU_SCRIPT = "`plan calibrate --device cpu --processes 2,4` (2026-12-01, torch 2.13 CPU, 1 intra-op thread per process)"
-_CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM, 2 vCPU, 23.5 GiB) with {_CPU_SCRIPT}"
+_CPU_SCRIPT = ("`plan calibrate --device cpu --processes 2,4`, three runs in a row, each figure their median "
+               "(2026-12-06, torch 2.13 CPU, 1 intra-op thread per process, freed memory kept: profiles/allocator.py)")
+_CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM with AVX-512 BF16, 2 vCPU, 23.5 GiB) with {_CPU_SCRIPT}"
 # Collectives between CPU processes as a step sees them (plan calibrate): each timed as what it
-# adds to a slice of compute before it, every process busy (broadcasts and sends, which run back
-# to back, in a chain of them: their rows are from a later run, 2026-12-03, the same command);
-# fit latency + bytes / bandwidth and its worst relative miss over 1 KiB..8 MiB. 4 processes on
-# 2 cores pay several ms per collective.
+# adds to a slice of compute before it, every process busy, the trimmed mean of 14 paired rounds
+# (broadcasts and sends, which run back to back, in a chain of them; broadcasts from each rank in
+# turn); fit latency + bytes / bandwidth over 1 KiB..8 MiB, each field the median of the three
+# runs, the worst relative miss the largest of theirs. The three runs' latencies were within
+# 5-25% of one another (all-reduce over 4: 6.15, 6.73, 6.53 ms). 4 processes on 2 cores pay
+# several ms per collective.
 _CPU_COLLECTIVES = (
-    CollectiveFit("all_gather", 2, 2, 0.001479, 1.194e+09, 0.28),
-    CollectiveFit("all_gather", 2, 4, 0.00183, 8.004e+08, 0.53),
-    CollectiveFit("all_gather", 4, 4, 0.005438, 1.057e+09, 0.24),
-    CollectiveFit("all_reduce", 2, 2, 0.002049, 1.282e+09, 0.42),
-    CollectiveFit("all_reduce", 2, 4, 0.003234, 8.873e+08, 0.44),
-    CollectiveFit("all_reduce", 4, 4, 0.006695, 9.507e+08, 0.08),
-    CollectiveFit("broadcast", 2, 2, 8.073e-05, 4.16e+09, 0.58),
-    CollectiveFit("broadcast", 2, 4, 0.000366, 2.885e+09, 0.29),
-    CollectiveFit("broadcast", 4, 4, 0.000729, 1.81e+09, 0.06),
-    CollectiveFit("reduce_scatter", 2, 2, 0.002482, 9.308e+08, 0.30),
-    CollectiveFit("reduce_scatter", 2, 4, 0.003786, 6.693e+08, 0.20),
-    CollectiveFit("reduce_scatter", 4, 4, 0.008804, 9.65e+08, 0.11),
-    CollectiveFit("send_recv", 2, 2, 7.027e-05, 3.878e+09, 0.24),
-    CollectiveFit("send_recv", 2, 4, 0.000313, 1.89e+09, 0.71),
+    CollectiveFit("all_gather", 2, 2, 0.001173, 2.095e+09, 0.36),
+    CollectiveFit("all_gather", 2, 4, 0.002279, 1.387e+09, 0.11),
+    CollectiveFit("all_gather", 4, 4, 0.004705, 1.732e+09, 0.11),
+    CollectiveFit("all_reduce", 2, 2, 0.001703, 1.587e+09, 0.24),
+    CollectiveFit("all_reduce", 2, 4, 0.003241, 1.211e+09, 0.22),
+    CollectiveFit("all_reduce", 4, 4, 0.006534, 1.108e+09, 0.10),
+    CollectiveFit("broadcast", 2, 2, 0.0001005, 4.109e+09, 0.40),
+    CollectiveFit("broadcast", 2, 4, 0.0003442, 2.815e+09, 0.39),
+    CollectiveFit("broadcast", 4, 4, 0.0005985, 1.549e+09, 0.17),
+    CollectiveFit("reduce_scatter", 2, 2, 0.001942, 1.301e+09, 0.30),
+    CollectiveFit("reduce_scatter", 2, 4, 0.002758, 9.361e+08, 0.17),
+    CollectiveFit("reduce_scatter", 4, 4, 0.006367, 8.815e+08, 0.10),
+    CollectiveFit("send_recv", 2, 2, 7.486e-05, 3.439e+09, 0.44),
+    CollectiveFit("send_recv", 2, 4, 0.0008089, 2.616e+09, 0.68),
 )
 
 PRESETS: dict[str, Hardware] = {
@@ -845,21 +848,21 @@ PRESETS: dict[str, Hardware] = {
         device_type="cpu",
         memory_bytes=4 * GiB,
         usable_fraction=1.0,
-        bf16_flops=1.3e+09,
-        fp32_flops=9.06e+10,
-        hbm_bandwidth=2.81e+10,
+        bf16_flops=4.50e+11,
+        fp32_flops=1.04e+11,
+        hbm_bandwidth=5.11e+10,
         gpus_per_node=8,
-        intra_node_bandwidth=1.28e+09,
-        intra_node_latency=0.00102,
-        inter_node_bandwidth=1.28e+09,
-        inter_node_latency=0.00102,
-        host_memory_bytes=25275990016,
-        host_to_device_bandwidth=7.59e+09,
-        cpu_adam_params_per_s=1e+09,
-        host_cores=1.91,
+        intra_node_bandwidth=1.59e+09,
+        intra_node_latency=0.000851,
+        inter_node_bandwidth=1.59e+09,
+        inter_node_latency=0.000851,
+        host_memory_bytes=25276182528,
+        host_to_device_bandwidth=1.81e+10,
+        cpu_adam_params_per_s=1.82e+09,
+        host_cores=1.98,
         collective_overlap=0.0,
-        pipeline_overhead_s=0.000929,
-        pipeline_contention_s=0.000718,
+        pipeline_overhead_s=0.000758,
+        pipeline_contention_s=0.001457,
         op_launch_s=6.3e-06,
         collectives=_CPU_COLLECTIVES,
         sources={
@@ -868,7 +871,8 @@ PRESETS: dict[str, Hardware] = {
             "memory_bytes": ("design choice: 4 GiB per process, so that the several processes a plan runs fit "
                              "in the 24 GiB dev machine with room for the OS, the parent and the test runner"),
             "usable_fraction": "design choice: 1.0, as memory_bytes is already a budget, not a device size",
-            "bf16_flops": f"{_CPU_MEASURED}: 512^3 bf16 torch.mm, 1 thread, 2n^3/t (this CPU has no fast bf16 path)",
+            "bf16_flops": (f"{_CPU_MEASURED}: 512^3 bf16 torch.mm, 1 thread, 2n^3/t (1.3 GFLOP/s on 2026-12-01, "
+                           "a host of this VM without a fast bf16 path)"),
             "fp32_flops": f"{_CPU_MEASURED}: 1024^3 fp32 torch.mm, 1 thread, 2n^3/t",
             "hbm_bandwidth": (f"{_CPU_MEASURED}: the fused AdamW step below touches 28 bytes per fp32 parameter "
                               "(read p, g, m, v; write p, m, v): its rate x 28 B. Taken from the optimizer rather "
@@ -887,8 +891,8 @@ PRESETS: dict[str, Hardware] = {
             "cpu_adam_params_per_s": (f"{_CPU_MEASURED}: torch.optim.AdamW(fused=True).step() on 16M fp32 "
                                       "parameters in 16 tensors, 1 thread"),
             "host_cores": (f"{_CPU_MEASURED}: 4 single-thread processes started together each ran 256^3 fp32 "
-                           "matmuls for 2 s at 0.48 of the rate of one alone (median of 3 rounds), so 4 x 0.48 = 1.91 "
-                           "run at full speed at once (earlier runs on this shared VM: 1.66-1.98)"),
+                           "matmuls at 51.0-53.1 GFLOP/s where one alone ran 103.5-106.6, so 1.97-1.99 run at "
+                           "full speed at once (earlier runs on this shared VM: 1.66-1.98)"),
 
             "collective_overlap": (f"{_CPU_MEASURED}: gloo runs FSDP2's collectives on threads that the ranks' own "
                                    "cores must serve, and the runtime's step breakdown shows FSDP2 waiting on each "
@@ -899,13 +903,13 @@ PRESETS: dict[str, Hardware] = {
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
             "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
                                     "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot); "
-                                    "2026-12-04, the run of bench/time_fidelity.py's table (1.01 ms on 2026-12-01)"),
-            "pipeline_contention_s": (f"{_CPU_MEASURED}, the same run: the same schedule over stages of two "
-                                      "256-1024-256 MLPs on 4 rows (1.82 ms forward and backward alone, step 64.7 ms), "
-                                      "timed in turns with it; (slot - alone x contention scale) / 2 - "
+                                    "0.61-0.85 ms in the three runs (1.01 ms on 2026-12-01, 0.93 on 2026-12-04)"),
+            "pipeline_contention_s": (f"{_CPU_MEASURED}, the same runs: the same schedule over stages of two "
+                                      "256-1024-256 MLPs on 4 rows (1.11-1.18 ms forward and backward alone, step "
+                                      "58.7-63.6 ms), timed in turns with it; (slot - alone x contention scale) / 2 - "
                                       "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
-                                      "(calibrate.pipeline_contention_s; 0-1.7 ms in eleven runs that day, 0.45-1.7 but one: "
-                                      "the figure is as noisy as this VM)"),
+                                      "(calibrate.pipeline_contention_s; 1.16-1.48 ms in the three runs, 0-1.7 ms in "
+                                      "eleven runs on 2026-12-04: the figure is as noisy as this VM)"),
             "op_launch_s": ("measured on the same machine with calibrate.op_launch_seconds() (2026-12-05, 1 thread): "
                             "6.3 us an op, the median of five; used only by fake-mode profiles with this preset "
                             "(CPU layers are timed where they run)"),
