@@ -363,6 +363,21 @@ AHEAD_PER_WORKER = 2     # candidates handed out ahead of the search, per worker
 STALE_WAIT_S = 0.25      # how long the search waits on a job asked under a looser cutoff than its own
 
 
+def step_time_trust(profile: Profile, hardware, measured_here: bool) -> str:
+    """How far the step times of a solve can be trusted, from what measured them against runs
+    (docs/fidelity.md): said once, so that no table's figure reads as exact."""
+    if measured_here and hardware.device_type == "cpu":
+        return ("step times are predictions: on 4 CPU processes of a 2-core VM, 55 layouts of three models "
+                "measured within 3-9% of them at the median and 16-21% at worst, and a layout's own step "
+                "moved by about 5% from one hour to the next (bench/time_fidelity.py, docs/fidelity.md)")
+    if measured_here and profile.method == "measured":
+        return ("step times are predictions: on one H200, single-GPU plans measured within 13% of them; "
+                "layouts over several GPUs have not yet been checked on hardware (docs/fidelity.md)")
+    return ("step times from FLOPs and bytes at the hardware's achievable rates are indicative: published runs "
+            "with their layouts pinned measured -17% to 0% of them for torchtitan's eager PyTorch and +8% to "
+            "+35% for NeMo's fused kernels (bench/results/published.md, docs/fidelity.md)")
+
+
 def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """The top-K fastest layouts that fit, best first."""
     check_options(profile, opts)
@@ -378,6 +393,7 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
                 else "profile on the CPU the plan will run on")
         result.notes.append(f"the profile's times were {timed}; for {opts.hardware.name} each layer's time is "
                             f"estimated from its FLOPs, bytes and op count (indicative): {redo} to time its ops one by one")
+    result.notes.append(step_time_trust(profile, opts.hardware, model.measured_here))
     busy = min(opts.gpus, opts.node_size)
     if opts.hardware.device_type == "cpu" and busy > opts.hardware.host_cores:
         result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "

@@ -704,6 +704,17 @@ def test_times_moved_to_other_hardware_are_said_to_be_estimates_with_the_command
     assert not any("estimated from its FLOPs" in n for n in here.notes)
 
 
+def test_a_solve_says_once_how_far_its_step_times_hold_by_what_timed_them():
+    """Layers timed on the CPU the plan runs on: the CPU processes' measured fidelity; the same
+    profile solved for GPUs (times estimated): indicative, with the published runs' range."""
+    prof = random_profile(random.Random(5), 4)
+    here = search(prof, SolveOptions(gpus=2, hardware=cpu_like(1 << 40), global_batch=16, top_k=1, offload="none"))
+    moved = search(prof, SolveOptions(gpus=8, hardware=PRESETS["h100-sxm-80g"], global_batch=16, top_k=1))
+    for result, says, not_says in ((here, "CPU processes", "indicative"), (moved, "indicative", "CPU processes")):
+        trust = [n for n in result.notes if n.startswith("step times")]
+        assert len(trust) == 1 and says in trust[0] and not_says not in trust[0]
+
+
 def test_tensor_parallel_degree_divides_the_head_counts():
     """A degree that splits the weights evenly but not the heads is never proposed or accepted."""
     from planner.search import SolveError, check_options
