@@ -572,7 +572,9 @@ def verify(
         fail(str(e))
     t, worst = display.memory_check_table(rows, f"predicted vs measured: {plan_path} / {run_path}", tolerance)
     out.print(t)
-    out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%)")
+    low, high, timed = run_doc.step_range_s
+    out.print(f"step time: predicted {step[0]:.4f} s, measured {step[1]:.4f} s ({100 * (step[0] - step[1]) / step[1]:+.1f}%; "
+              f"the median of {timed} timed steps, {low:.4f}-{high:.4f} s)")
     busy = display.cores_busy_line(run_doc)
     if busy:
         out.print(busy, highlight=False)

@@ -92,6 +92,13 @@ class RunReport:
         every rank, 2026-12-06, docs/fidelity.md.)"""
         return statistics.median(self._slowest_s(i) for i in step_roles(self.steps)[2])
 
+    @property
+    def step_range_s(self) -> tuple[float, float, int]:
+        """(shortest, longest, how many) of the timed steps step_s is the median of: how much a
+        step moved within the run, beside which an error of the prediction can be read."""
+        times = [self._slowest_s(i) for i in step_roles(self.steps)[2]]
+        return min(times), max(times), len(times)
+
     def _slowest_s(self, i: int) -> float:
         """Step i's time: its slowest rank's (every rank starts it at once)."""
         return max(r.step_times_s[i] for r in self.ranks)

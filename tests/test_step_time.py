@@ -645,6 +645,7 @@ def test_a_runs_step_lasts_as_long_as_its_slowest_rank():
     assert run.step_s == pytest.approx(0.110)            # the steps' slowest: 0.100, 0.130, 0.110
     ranks[2].step_times_s[2] = 0.115
     assert run.step_s == pytest.approx(0.115)            # 0.115, 0.130, 0.110
+    assert run.step_range_s == pytest.approx((0.110, 0.130, 3))   # the timed steps' slowest, and how many
 
 
 def test_cores_busy_is_all_ranks_cpu_time_over_the_step():
