@@ -250,6 +250,7 @@ def calibrate(
     processes: str = typer.Option("2,4", help="Process counts to measure collectives at, comma-separated (cuda: GPUs; 1 measures rates only)."),
     base: Optional[str] = typer.Option(None, help="Preset whose other figures the file keeps (default: cpu, or h100-sxm-80g)."),
     output: Path = typer.Option(Path("cluster.toml"), "-o", "--output", help="Where to write the cluster file."),
+    runs: int = typer.Option(1, help="Calibrations in a row; the file takes each figure's median (3: steadier, 3x as long)."),
 ):
     """Measure this machine's collectives and rates; write a cluster file for `plan solve --cluster`."""
     from planner.hardware import PRESETS
@@ -265,17 +266,24 @@ def calibrate(
         fail(f"--processes {processes!r} must list counts of {least} or more, e.g. {'1' if least == 1 else '2,4'}.")
     if base is not None and base not in PRESETS:
         fail(f"--base {base} is not a preset; use one of {', '.join(PRESETS)}.")
+    if runs < 1:
+        fail(f"--runs {runs} must be 1 or more, e.g. 3.")
     import torch
     if device == "cuda" and torch.cuda.device_count() < max(counts):
         fail(f"--device cuda --processes {processes} needs {max(counts)} GPUs but torch sees {torch.cuda.device_count()}; "
              "give fewer processes.")
     check_writable(output)
-    from profiles.calibrate import calibrate as run_calibration, write_cluster_file
+    from profiles.calibrate import calibrate as run_calibration, median_calibration, write_cluster_file
     base_name = base or ("cpu" if device == "cpu" else "h100-sxm-80g")
+    cals = []
     with Progress(TextColumn("[progress.description]{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as bar:
         task = bar.add_task("calibrating", total=None)
-        cal = run_calibration(device, counts, base_name, on_progress=lambda msg: bar.update(task, description=msg))
+        for k in range(runs):
+            run = f"run {k + 1} of {runs}: " if runs > 1 else ""
+            cals.append(run_calibration(device, counts, base_name,
+                                        on_progress=lambda msg, run=run: bar.update(task, description=run + msg)))
+    cal = median_calibration(cals)
     write_cluster_file(cal, base_name, output)
     for note in cal.notes:
         out.print(escape(note), highlight=False)

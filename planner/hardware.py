@@ -662,7 +662,8 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
 
 
 _CPU_SCRIPT = ("`plan calibrate --device cpu --processes 2,4`, three runs in a row, each figure their median "
-               "(2026-12-06, torch 2.13 CPU, 1 intra-op thread per process, freed memory kept: profiles/allocator.py)")
+               "(what `--runs 3` now does; 2026-12-06, torch 2.13 CPU, 1 intra-op thread per process, freed "
+               "memory kept: profiles/allocator.py)")
 _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM with AVX-512 BF16, 2 vCPU, 23.5 GiB) with {_CPU_SCRIPT}"
 # Collectives between CPU processes as a step sees them (plan calibrate): each timed as what it
 # adds to a slice of compute before it, every process busy, the trimmed mean of 14 paired rounds

@@ -273,6 +273,7 @@ def test_solve_nothing_fits_exits_3(small_profile, tmp_path):
     (["--processes", "two"], ["is not a comma-separated list of integers"]),
     (["--device", "tpu"], ["--device tpu is not cpu or cuda"]),
     (["--base", "h300"], ["--base h300 is not a preset"]),
+    (["--runs", "0"], ["--runs 0 must be 1 or more"]),
 ])
 def test_bad_calibrate_flags(args, needles, tmp_path):
     out = tmp_path / "cluster.toml"

@@ -482,6 +482,26 @@ def test_link_fallback_spans_the_ranks_a_group_covers():
     assert lat_tp == pytest.approx(7 * hw.intra_node_latency)
 
 
+def test_several_calibrations_make_one_of_their_medians():
+    """`plan calibrate --runs 3`: each figure the median of the runs' (and said so in its source,
+    with every run's value), each collective's latency and bandwidth the median of its fits, its
+    worst miss the worst of theirs; a figure every run agrees on is left as it is."""
+    from profiles.calibrate import Calibration, median_calibration
+    base = PRESETS["cpu"]
+
+    def run(cores, lat, bw, res):
+        fit = CollectiveFit("all_reduce", 2, 4, lat, bw, res)
+        return Calibration(dataclasses.replace(base, host_cores=cores, collectives=(fit,)), [{"run": cores}], [])
+
+    cal = median_calibration([run(1.9, 3e-3, 1e9, 0.1), run(2.0, 1e-3, 3e9, 0.4), run(1.7, 2e-3, 2e9, 0.2)])
+    hw = cal.hardware
+    assert hw.host_cores == 1.9 and "the median of 3 runs (1.9, 2, 1.7)" in hw.sources["host_cores"]
+    (fit,) = hw.collectives
+    assert (fit.latency_s, fit.bandwidth, fit.max_residual) == (2e-3, 2e9, 0.4)
+    assert hw.fp32_flops == base.fp32_flops and hw.sources["fp32_flops"] == base.sources["fp32_flops"]
+    assert len(cal.collective_rows) == 3
+
+
 def test_collectives_are_measured_for_every_kind_in_real_processes():
     """Two gloo processes: every kind at every size, each positive, 16 MiB slower than a KiB.
     (At 1 MiB the two sums were within a busy machine's noise, and the check failed now and then.)"""
