@@ -59,8 +59,11 @@ def workloads(world: int) -> dict:
     # A 1-rank mesh in every process: replicate's hooks and copies, its all-reduce over one rank.
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "one"))["one"]
     x = torch.randn(4, 16, 256)
-    bare = nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-    wrapped = nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+    bare, wrapped = block(), block()
     replicate(wrapped, mesh=mesh)
     out["LayerNorm-MLP block, 4 x 16 x 256"] = fwd_bwd(bare, x)
     out["the same under replicate"] = fwd_bwd(wrapped, x)

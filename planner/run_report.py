@@ -90,14 +90,18 @@ class RunReport:
         the log line's norm all-reduce between steps, the early ranks waited outside their
         timers; runs without it, every rank in lockstep, measured the slowest rank's time on
         every rank, 2026-12-06, docs/fidelity.md.)"""
-        return statistics.median(self._slowest_s(i) for i in step_roles(self.steps)[2])
+        return statistics.median(self._timed_steps_s())
 
     @property
     def step_range_s(self) -> tuple[float, float, int]:
         """(shortest, longest, how many) of the timed steps step_s is the median of: how much a
         step moved within the run, beside which an error of the prediction can be read."""
-        times = [self._slowest_s(i) for i in step_roles(self.steps)[2]]
+        times = self._timed_steps_s()
         return min(times), max(times), len(times)
+
+    def _timed_steps_s(self) -> list[float]:
+        """Each timed step's time (its slowest rank's), in order."""
+        return [self._slowest_s(i) for i in step_roles(self.steps)[2]]
 
     def _slowest_s(self, i: int) -> float:
         """Step i's time: its slowest rank's (every rank starts it at once)."""

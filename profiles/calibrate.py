@@ -637,8 +637,7 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
                      f"+ {contention * 1e3:.2f} ms where the busy ranks fill them")
     fits = fit_collectives(rows)
     for f in fits:
-        notes.append(f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s "
-                     f"(worst miss {100 * f.max_residual:.0f}%)")
+        notes.append(f"{fit_text(f)} (worst miss {100 * f.max_residual:.0f}%)")
     two = min((f for f in fits if f.kind == "all_reduce" and f.group == 2), key=lambda f: f.processes, default=None)
     if two is not None:
         # The link figures stay the fallback for groups that were not measured.
@@ -653,6 +652,11 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
     all_sources["name"] = f"{where}), from preset {base_name}"
     values["sources"] = all_sources
     return Calibration(Hardware(**values), rows, notes)
+
+
+def fit_text(f: CollectiveFit) -> str:
+    """One collective's fit as the calibration's notes print it."""
+    return f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s"
 
 
 def median_calibration(cals: list[Calibration]) -> Calibration:
@@ -683,9 +687,7 @@ def median_calibration(cals: list[Calibration]) -> Calibration:
         fit = CollectiveFit(*key, statistics.median(c.latency_s for c in mine), statistics.median(c.bandwidth for c in mine),
                             max(c.max_residual for c in mine))
         fits.append(fit)
-        notes.append(f"{fit.kind} over {fit.group} of {fit.processes}: {fit.latency_s * 1e6:.0f} us + bytes / "
-                     f"{fit.bandwidth / 1e9:.2f} GB/s (runs' latencies: "
-                     + ", ".join(f"{c.latency_s * 1e6:.0f}" for c in mine) + " us)")
+        notes.append(f"{fit_text(fit)} (runs' latencies: " + ", ".join(f"{c.latency_s * 1e6:.0f}" for c in mine) + " us)")
     values["collectives"] = tuple(fits)
     values["sources"] = sources
     return Calibration(Hardware(**values), [row for cal in cals for row in cal.collective_rows], notes)
