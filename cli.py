@@ -363,7 +363,7 @@ def solve(
             result = search(prof, opts, on_progress=lambda k, n: bar.update(task, completed=k, total=n))
         limit_bytes = limit or hw.usable_memory_bytes()
         if not result.solutions:
-            err.print(f"[bold red]no layout fits[/] {gpus} x {escape(hw.name)} with {format_size(limit_bytes)} per GPU "
+            err.print(f"[bold red]no layout fits[/] {gpus} x {escape(hw.name)} with {format_size(limit_bytes)} {display.per_rank(hw.device_type)} "
                       f"({result.candidates} layouts considered).", highlight=False)
             for line in explain_no_fit(prof, opts, result, limit_bytes):
                 err.print("  " + escape(line), highlight=False)
@@ -373,7 +373,7 @@ def solve(
         plan.save(output)
     except expected_errors() as e:
         fail(str(e))
-    print_top(result, limit_bytes, wide)
+    print_top(result, limit_bytes, hw.device_type, wide)
     print_plan(plan, wide)
     out.print(f"{result.candidates} layouts, {result.free_solved + result.milps} MILPs ({result.solved} solved within "
               f"the memory limit): {result.pruned} ruled out as slower than "
@@ -397,8 +397,8 @@ def check_model_unchanged(prof) -> None:
         raise ProfileError(f"model file {path} has changed since it was profiled; profile it again with `plan profile {path}`.")
 
 
-def print_top(result, limit: int, wide: bool = False) -> None:
-    out.print(display.top_table(result.solutions, limit, display.is_wide(out, wide)))
+def print_top(result, limit: int, device_type: str, wide: bool = False) -> None:
+    out.print(display.top_table(result.solutions, limit, display.is_wide(out, wide), device_type))
 
 
 def print_plan(plan, wide: bool = False) -> None:
@@ -407,7 +407,8 @@ def print_plan(plan, wide: bool = False) -> None:
     pred = plan.predicted
     if pred:
         out.print(f"predicted step {pred.step_time_s:.4f} s, {pred.samples_per_s:,.1f} samples/s, "
-                  f"MFU {100 * pred.mfu:.1f}%, peak {format_size(pred.peak_bytes)} of {format_size(plan.memory_limit_bytes)}"
+                  + (f"MFU {100 * pred.mfu:.1f}%, " if display.shows_mfu(plan.device_type) else "")
+                  + f"peak {format_size(pred.peak_bytes)} of {format_size(plan.memory_limit_bytes)}"
                   + (f"; offloaded states fill {format_size(pred.host_peak_bytes)} of a node's host memory"
                      if pred.host_peak_bytes else ""), highlight=False)
 

@@ -130,11 +130,23 @@ def hardware_table(presets: dict, wide: bool) -> Group:
     return titled(title, t)
 
 
-def top_table(solutions, limit: int, wide: bool) -> Group:
+def per_rank(device_type: str) -> str:
+    """What one rank of a plan is, as a table's title says it."""
+    return "per process" if device_type == "cpu" else "per GPU"
+
+
+def shows_mfu(device_type: str) -> bool:
+    """MFU only on GPUs: on CPU processes the "peak" is a nominal figure of the preset (one
+    thread's matmul rate), and a share of it means nothing to a user."""
+    return device_type != "cpu"
+
+
+def top_table(solutions, limit: int, wide: bool, device_type: str = "cuda") -> Group:
     unit, scale = size_unit([s.memory.peak for sol in solutions for s in sol.prediction.stages])
-    cols = ["#", "dp x tp x pp", "zero", "sched", "micro-batch", "ckpt", "off", "step s", "samples/s", "MFU",
-            "peak"] + (["peak per stage"] if wide else [])
-    title = (f"best layouts (peak memory in {unit}, within {format_size(limit)} per GPU; ckpt, off: layers "
+    mfu = shows_mfu(device_type)
+    cols = ["#", "dp x tp x pp", "zero", "sched", "micro-batch", "ckpt", "off", "step s", "samples/s"] \
+        + (["MFU"] if mfu else []) + ["peak"] + (["peak per stage"] if wide else [])
+    title = (f"best layouts (peak memory in {unit}, within {format_size(limit)} {per_rank(device_type)}; ckpt, off: layers "
              "checkpointed (+ selectively), offloaded)")
     t = table(cols)
     for k, sol in enumerate(solutions):
@@ -146,7 +158,7 @@ def top_table(solutions, limit: int, wide: bool) -> Group:
         sched = "-" if c.pp == 1 else c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
         cells = [str(k + 1), f"{c.dp}x{c.tp}{' sp' if c.sequence_parallel else ''}x{c.pp}", str(c.zero), sched,
                  f"{c.micro_batch_size} x {c.num_micro_batches}", ck, str(off), f"{p.step_s:.4g}",
-                 number(p.samples_per_s), f"{100 * p.mfu:.1f}%", number(p.peak_bytes / scale)]
+                 number(p.samples_per_s)] + ([f"{100 * p.mfu:.1f}%"] if mfu else []) + [number(p.peak_bytes / scale)]
         if wide:
             cells.append(" / ".join(number(s.memory.peak / scale) for s in p.stages))
         t.add_row(*cells)
@@ -164,7 +176,7 @@ def plan_table(plan, wide: bool) -> Group:
                    if v > 1 else "")
     title = (f"plan: dp {plan.dp} x tp {plan.tp}{' (sequence-parallel)' if plan.sequence_parallel else ''} x pp {plan.pp}, ZeRO {plan.zero}, micro-batch "
               f"{plan.micro_batch_size} x {plan.num_micro_batches}, global batch {plan.global_batch}{interleaved} "
-              f"({unit} per GPU; ckpt, offload: which layers; s: selectively checkpointed)")
+              f"({unit} {per_rank(plan.device_type)}; ckpt, offload: which layers; s: selectively checkpointed)")
     t = table(cols, left=("layers", "ckpt", "offload", "peak during"))
     for st, ps in rows:
         idx = [lc.index for lc in st.layers]
@@ -224,8 +236,7 @@ def cores_busy_line(run) -> str | None:
 def run_summary(run) -> str:
     """One line: what ran, the loss from first to last step, the throughput (and MFU on GPUs)."""
     rate = f"{run.tokens_per_s:,.0f} tokens/s" if run.tokens_per_sample else f"{run.samples_per_s:,.1f} samples/s"
-    # On CPU processes the "peak" is a nominal figure of the preset: an MFU against it means nothing.
-    mfu = f", MFU {100 * run.mfu:.1f}%" if run.mfu and run.device != "cpu" else ""
+    mfu = f", MFU {100 * run.mfu:.1f}%" if run.mfu and shows_mfu(run.device) else ""
     if not run.global_batch:              # a run document from before throughput was recorded
         rate, mfu = "", ""
     return (f"{run.plan_path}: {run.steps} steps on {run.world_size} x {run.device}, "

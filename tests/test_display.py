@@ -152,6 +152,22 @@ def test_run_summary_says_throughput_and_mfu_only_on_gpus():
     assert run_summary(run).endswith("loss 6.5000 -> 5.5000")
 
 
+def test_solve_tables_show_mfu_and_say_gpu_only_on_gpus(big):
+    """On CPU processes MFU is a share of a nominal peak: `plan solve` leaves it out, as
+    `plan run`'s summary does, and says memory per process, not per GPU."""
+    prof, solutions, plan = big
+    gpu = render(display.top_table(solutions, plan.memory_limit_bytes, False, "cuda"))
+    cpu = render(display.top_table(solutions, plan.memory_limit_bytes, False, "cpu"))
+    assert "MFU" in gpu and "per GPU" in gpu and f"{100 * solutions[0].prediction.mfu:.1f}%" in gpu
+    assert "MFU" not in cpu and "%" not in cpu and "per process" in cpu and "per GPU" not in cpu
+    assert "per GPU" in render(display.plan_table(plan, False))
+    plan.device_type = "cpu"
+    try:
+        assert "per process" in render(display.plan_table(plan, False))
+    finally:
+        plan.device_type = "cuda"
+
+
 def test_a_plan_gives_back_its_candidate_and_layout(big, tmp_path):
     """layout_of is build_plan's inverse: the candidate (degrees, micro-batching, ZeRO, whether
     layers are wrapped) and every stage's layers, so a kept plan can be predicted again."""
