@@ -593,7 +593,11 @@ def verify(
                   f"its layers with {plan.threads}; the step time assumes {plan.threads} (set OMP_NUM_THREADS={plan.threads}).",
                   highlight=False)
     if time_rows:
-        out.print(display.time_check_table(time_rows, time_rank))
+        profiled = next(r for r in run_doc.ranks if r.rank == time_rank)
+        whole = (step[0], profiled.breakdown_step_s) if profiled.breakdown_step_s else None
+        out.print(display.time_check_table(time_rows, time_rank, whole))
+        if whole:
+            out.print(display.profiled_step_line(profiled.breakdown_step_s, profiled.median_step_s), highlight=False)
         if plan.device_type == "cpu":
             out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
         else:

@@ -214,12 +214,25 @@ def memory_check_table(rows, title: str, tolerance: float) -> tuple[Group, float
     return titled(title, t), worst
 
 
-def time_check_table(rows, rank: int) -> Group:
+def time_check_table(rows, rank: int, step: tuple[float, float] | None = None) -> Group:
+    """Predicted vs measured time per component; `step`: (predicted step, the profiled step's
+    wall time), a last row that says what the parts add up to on each side."""
     title = (f"step time by component (ms): predicted vs rank {rank}'s profiled step")
     t = table(["component", "predicted", "measured"], left=("component",))
     for r in rows:
         t.add_row(r.component, f"{r.predicted * 1e3:.1f}", f"{r.measured * 1e3:.1f}")
+    if step:
+        t.add_row("step", f"{step[0] * 1e3:.1f}", f"{step[1] * 1e3:.1f}")
     return titled(title, t)
+
+
+def profiled_step_line(profiled_s: float, median_s: float) -> str:
+    """How far the profiled step (torch.profiler on) is from the same rank's timed steps."""
+    ratio = profiled_s / median_s
+    if abs(ratio - 1) <= 0.05:
+        return f"The profiled step took {profiled_s:.4f} s, within 5% of that rank's median timed step."
+    return (f"The profiled step took {profiled_s:.4f} s, {ratio:.2f}x that rank's median timed step "
+            f"({median_s:.4f} s): its parts carry torch.profiler's overhead and this machine's noise.")
 
 
 def cores_busy_line(run) -> str | None:

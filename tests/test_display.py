@@ -168,6 +168,15 @@ def test_solve_tables_show_mfu_and_say_gpu_only_on_gpus(big):
         plan.device_type = "cuda"
 
 
+def test_the_component_table_adds_up_each_side_and_says_how_far_the_profiled_step_ran_long():
+    rows = [TimeRow("compute", 0.040, 0.060), TimeRow("p2p", 0.050, 0.040), TimeRow("other", 0.0, 0.050)]
+    text = render(display.time_check_table(rows, 0, (0.090, 0.150)))
+    assert text.splitlines()[-1].split() == ["step", "90.0", "150.0"]
+    line = display.profiled_step_line(0.150, 0.100)
+    assert "1.50x" in line and "0.1000 s" in line and "overhead" in line
+    assert "within 5%" in display.profiled_step_line(0.103, 0.100)
+
+
 def test_a_plan_gives_back_its_candidate_and_layout(big, tmp_path):
     """layout_of is build_plan's inverse: the candidate (degrees, micro-batching, ZeRO, whether
     layers are wrapped) and every stage's layers, so a kept plan can be predicted again."""
