@@ -1,13 +1,15 @@
 """Does a model's step take what its layers take, each timed as the profiler times it?
 
-`plan profile` times each layer on its own, forward and backward back to back on the same
-weights, so they sit in the CPU's caches. In a step the other layers run in between, and a
+`plan profile` times each layer on its own. Timed back to back on the same weights, a layer
+finds them in the CPU's caches. In a step the other layers run in between, and a
 layer whose work is small beside its weights finds them in memory. This times, on one thread,
 for each example model and micro-batch size, in turns (rounds):
 
-- hot:    the layers one by one as the profiler does (profiles.measure.measure_time), plus the loss;
-- cycled: each layer timed on one of several copies of it, run in turn, whose parameters add up
-          to twice the last-level cache, so that its weights come from memory; plus the loss;
+- hot:    the layers one by one, back to back on their own weights (profiles.measure.measure_time,
+          as the profiler timed them until 2026-12-06), plus the loss;
+- cycled: each repeat on the next of several copies of the layer whose parameters add up to
+          twice the last-level cache, so that its weights come from memory (profiles.measure.
+          time_layer, as the profiler times them now); plus the loss;
 - step:   the whole model's forward, loss and backward, as a rank runs it.
 
 and, for examples/mlp.py's blocks, 8 distinct blocks against one block run 8 times (the same
@@ -19,7 +21,6 @@ work and graph; only the weights differ).
 from __future__ import annotations
 
 import argparse
-import copy
 import runpy
 import statistics
 import sys
@@ -34,45 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from profiles.allocator import keep_freed_memory  # noqa: E402
-from profiles.measure import ProfileOptions, _clear_grads, _fresh_input, _needs_grad, measure_time  # noqa: E402
+from profiles.measure import ProfileOptions, _needs_grad, last_level_cache_bytes, measure_time, time_layer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "layers_in_model.md"
 MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
 SIZES = (1, 4, 16)
-MAX_COPIES = 32
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache this host reports (sysfs), else 32 MiB."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
-        sizes.append(int(text.rstrip("KM")) * scale)
-    return max(sizes, default=32 << 20)
-
-
-def cycled_time(layer: nn.Module, x: torch.Tensor, cache: int, timed: int = 5) -> float:
-    """Forward + backward seconds of `layer` with its weights out of the cache: copies of it
-    (parameters adding up to twice the cache) run in turn, every copy once before any timing."""
-    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    if nbytes == 0:
-        return sum(measure_time(layer, layer, x, ProfileOptions()))
-    k = max(1, min(MAX_COPIES, -(-2 * cache // nbytes)))
-    copies = [layer] + [copy.deepcopy(layer) for _ in range(k - 1)]
-    x_in = _fresh_input(x)
-    times = []
-    for rep in range(k + timed):
-        m = copies[rep % k]
-        t0 = time.perf_counter()
-        out = m(x_in)
-        out.backward(torch.ones_like(out))
-        t1 = time.perf_counter()
-        _clear_grads(m, x_in)
-        del out
-        if rep >= k:
-            times.append(t1 - t0)
-    return statistics.median(times)
 
 
 def load(model: str):
@@ -105,7 +72,7 @@ def step_time(model: nn.Module, loss_fn, x, targets, reps: int = 7) -> float:
     return statistics.median(times[2:])
 
 
-def measure_model(name: str, rounds: int, cache: int) -> list[dict]:
+def measure_model(name: str, rounds: int) -> list[dict]:
     model, make_batch, loss_fn = load(name)
     rows = []
     for b in SIZES:
@@ -122,7 +89,7 @@ def measure_model(name: str, rounds: int, cache: int) -> list[dict]:
         for _ in range(rounds):
             lt = loss_time(loss_fn, h, targets)
             hot.append(sum(sum(measure_time(layer, layer, xi, ProfileOptions())) for layer, xi in zip(model, ins)) + lt)
-            cyc.append(sum(cycled_time(layer, xi, cache) for layer, xi in zip(model, ins)) + lt)
+            cyc.append(sum(sum(time_layer(layer, xi, ProfileOptions())) for layer, xi in zip(model, ins)) + lt)
             whole.append(step_time(model, loss_fn, x, targets))
         rows.append({"model": name, "b": b, "hot": statistics.median(hot), "cycled": statistics.median(cyc),
                      "step": statistics.median(whole),
@@ -157,15 +124,15 @@ def main() -> None:
     torch.set_num_threads(1)              # as every CPU rank runs, and as the profiler times
     keep_freed_memory()                   # as the profiler and the runtime allocate
     cache = last_level_cache_bytes()
-    rows = [r for m in args.models.split(",") for r in measure_model(m, args.rounds, cache)]
+    rows = [r for m in args.models.split(",") for r in measure_model(m, args.rounds)]
     shared = shared_weights(args.rounds)
     lines = [
         "# A model's step against its layers timed one by one",
         "",
         f"`python bench/layers_in_model.py --models {args.models} --rounds {args.rounds}`, {date.today()}, one thread, "
         f"last-level cache {cache >> 20} MiB: per micro-batch size, the medians over rounds (taken in turns) of "
-        "the layers' forward + backward summed as `plan profile` times them (hot) and each on copies of it run in "
-        "turn whose weights fill twice that cache (cycled), each plus the loss, and of the whole model's "
+        "the layers' forward + backward summed, each timed back to back on its own weights (hot) and on copies of it "
+        "run in turn whose weights fill twice that cache (cycled, as `plan profile` times them since stop 47), each plus the loss, and of the whole model's "
         "forward, loss and backward (step), in ms.",
         "",
         "| model | micro-batch | hot | cycled | step | step / hot (each round) | cycled / hot |",

@@ -11,7 +11,8 @@ from `make_batch`, in the dtype and on the device it will train on:
      step: the peak above what was live when the backward started;
   3. the same under non-reentrant activation checkpointing;
   4. FLOPs and memory traffic (`OpCost`) and, unless fake, times: median of repeats after
-     warm-up, with CUDA events on a GPU.
+     warm-up, with CUDA events on a GPU; on a CPU each repeat on the next of several copies of
+     the layer, so that it finds its weights in memory as in a step (time_layer).
 
 In fake mode (FakeTensorMode) nothing is allocated; memory and FLOPs are exact and times come
 from a hardware preset's achievable rates, op by op (`Hardware.op_seconds`), and no faster than
@@ -28,7 +29,9 @@ import statistics
 import time
 import warnings
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -215,12 +218,16 @@ def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None, launch_s: float
     return fwd, bwd
 
 
-def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
-    """Median forward and backward seconds after warm-up (CUDA events on a GPU)."""
+def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions,
+                 turns: list[tuple[Callable, nn.Module]] | None = None) -> tuple[float, float]:
+    """Median forward and backward seconds after warm-up (CUDA events on a GPU); `turns`:
+    (fn, module) pairs that take the repeats in turn instead (time_layer's copies)."""
     cuda = opts.device == "cuda"
     x_in = _fresh_input(x)
+    turns = turns or [(fn, module)]
     fwd_times, bwd_times = [], []
     for rep in range(opts.warmup + opts.repeats):
+        fn, module = turns[rep % len(turns)]
         t_f = _Timer(cuda)
         with t_f:
             out = fn(x_in)
@@ -237,6 +244,51 @@ def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: Profile
             fwd_times.append(t_f.seconds())
             bwd_times.append(t_b.seconds() if t_b else 0.0)
     return statistics.median(fwd_times), statistics.median(bwd_times)
+
+
+# A layer's weights, timed: in a step the other layers run between two uses of a layer's
+# weights, so a layer whose weights do not stay in the cache finds them in memory; timed back
+# to back on the same weights it finds them in cache. examples/mlp.py's step took 1.32-1.60x its
+# layers timed so (its blocks hold 2 MiB of weights and do little with them), the GPT's and the
+# Llama's 1.00-1.05x (bench/results/layers_in_model.md, 2026-12-06). On a CPU each repeat
+# therefore runs on the next of several copies of the layer, whose parameters add up to twice
+# the last-level cache: by its turn, the other copies have pushed its weights out.
+COPIES_MAX = 32
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this host reports (Linux sysfs), else 32 MiB."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        try:
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def weight_copies(layer: nn.Module, opts: ProfileOptions) -> list[nn.Module]:
+    """The layer and, on CPU, copies of it up to twice the last-level cache of parameters (at
+    most COPIES_MAX in all); just the layer on a GPU, for one larger than that, or for one
+    deepcopy cannot copy."""
+    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    if opts.device != "cpu" or nbytes == 0:
+        return [layer]
+    count = min(COPIES_MAX, -(-2 * last_level_cache_bytes() // nbytes))
+    try:
+        return [layer] + [copy.deepcopy(layer) for _ in range(count - 1)]
+    except Exception:  # noqa: BLE001 - a layer holding something deepcopy refuses: timed on itself
+        return [layer]
+
+
+def time_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions,
+               wrap: Callable[[nn.Module], Callable] | None = None) -> tuple[float, float]:
+    """Forward and backward seconds of `layer` (or of `wrap(layer)`: under checkpointing) with
+    its weights where a step finds them: each repeat on the next of its weight_copies."""
+    turns = [(wrap(c) if wrap else c, c) for c in weight_copies(layer, opts)]
+    return measure_time(turns[0][0], layer, x, opts, turns)
 
 
 class _Timer:
@@ -266,7 +318,7 @@ class _Timer:
 def time_split(layer: nn.Module, match, mesh, x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
     """Forward and backward seconds of a copy of `layer` split over `mesh` by its tp_plan."""
     split = apply_tp(copy_layer(layer), match, mesh)
-    return measure_time(split, split, x, opts)
+    return time_layer(split, x, opts)
 
 
 def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_seconds, timed: bool = True) -> LayerSample:
@@ -284,8 +336,8 @@ def measure_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions, op_se
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
         sac_bwd_s = sac_bwd.seconds
     else:
-        fwd_s, bwd_s = measure_time(layer, layer, x, opts)
-        sac_bwd_s = measure_time(sac, layer, x, opts)[1]
+        fwd_s, bwd_s = time_layer(layer, x, opts)
+        sac_bwd_s = time_layer(layer, x, opts, wrap=lambda m: checkpointed_call(m, "selective"))[1]
     return LayerSample(
         input_bytes=plain["input_bytes"], output_bytes=plain["output_bytes"],
         saved_bytes=plain["saved_bytes"], saved_input_bytes=plain["saved_input_bytes"],
@@ -619,7 +671,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                     if b in layers[j].tp_times:
                         layers[i].tp_times[b] = list(layers[j].tp_times[b])
                     if not opts.fake:
-                        layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = measure_time(layer, layer, x, opts)
+                        layers[i].samples[b].fwd_s, layers[i].samples[b].bwd_s = time_layer(layer, x, opts)
                         # Split ones too: share_times_of_identical_layers then takes the median of
                         # as many TP timings as plain ones. (Timed on the first layer only, the
                         # tiny Llama's summed TP times moved 24-30% between four profiles where

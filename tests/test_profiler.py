@@ -366,3 +366,39 @@ def test_fsdp_overheads_are_the_median_over_micro_batch_sizes_and_shared_by_iden
     assert layers[0].fsdp_overhead_s == pytest.approx({"replicate": 1.2e-3, "shard": 3.0e-3})
     assert layers[1].fsdp_overhead_s == layers[0].fsdp_overhead_s and layers[1].fsdp_overhead_s is not layers[0].fsdp_overhead_s
     assert layers[2].fsdp_overhead_s == {"replicate": 5e-4, "shard": 1e-3}
+
+
+def test_each_timed_repeat_runs_on_the_next_copy_of_the_layer_with_the_same_weights():
+    """On a CPU a layer is timed on copies of it taken in turn (its weights out of the cache by
+    its turn, as in a step): the copies hold the same weights, add up to twice the last-level
+    cache of parameters, and every repeat, warm-up included, runs on the next one."""
+    from profiles import measure
+    from profiles.measure import COPIES_MAX, ProfileOptions, last_level_cache_bytes, time_layer, weight_copies
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            ran.append(id(self))
+            return super().forward(x)
+
+    ran: list[int] = []
+    layer = Counted(256, 1024)                                    # 1 MiB of fp32 weights
+    opts = ProfileOptions(warmup=2, repeats=5)
+    copies = weight_copies(layer, opts)
+    nbytes = 4 * (256 * 1024 + 1024)
+    assert copies[0] is layer and len({id(c) for c in copies}) == len(copies)
+    assert len(copies) == min(COPIES_MAX, -(-2 * last_level_cache_bytes() // nbytes))
+    assert all(torch.equal(c.weight, layer.weight) and c.weight.data_ptr() != layer.weight.data_ptr() for c in copies[1:])
+
+    made = []
+    real = measure.weight_copies
+    measure.weight_copies = lambda m, o: made.extend(real(m, o)) or made
+    try:
+        fwd, bwd = time_layer(layer, torch.randn(4, 256), opts)
+    finally:
+        measure.weight_copies = real
+    assert ran == [id(made[r % len(made)]) for r in range(7)]     # 2 warm-up and 5 timed repeats, the copies in turn
+    assert fwd > 0 and bwd > 0 and layer.weight.grad is None      # gradients cleared after every repeat
+    # On a GPU, and for a layer past twice the cache, the layer alone.
+    assert weight_copies(layer, ProfileOptions(device="cuda")) == [layer]
+    big = torch.nn.Linear(1, (2 * last_level_cache_bytes()) // 4 + 1, bias=False)
+    assert weight_copies(big, opts) == [big]
