@@ -14,7 +14,7 @@ over the fastest layout's.
     python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME] [--keep DIR]  # writes bench/results/NAME.{md,csv} (time_fidelity)
     python bench/time_fidelity.py --again DIR --out NAME   # today's cost model against the runs kept in DIR, nothing run
 
-Before anything runs, `plan calibrate` measures this machine's collectives, core sharing and
+Before anything runs, `plan calibrate --runs 3` measures this machine's collectives, core sharing and
 pipeline overhead, and the layouts are predicted with that cluster file, as a user plans after
 calibrating: this shared VM's collectives move by half between days (all-gather over 4
 processes: 5.4 ms of latency on 2026-12-01, 3.5-3.9 ms on 2026-12-03), and a preset from another
@@ -96,11 +96,14 @@ def profile(model: str, workdir: Path):
     return prof, path
 
 
+CALIBRATIONS = 3   # plan calibrate --runs: each figure the median of three, as the cpu preset was built
+
+
 def calibrate_here(workdir: Path) -> Path:
-    """`plan calibrate --device cpu --processes 2,4 -o workdir/cluster.toml`: this machine now."""
+    """`plan calibrate --device cpu --processes 2,4 --runs 3 -o workdir/cluster.toml`: this machine now."""
     path = workdir / "cluster.toml"
     proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "calibrate", "--device", "cpu", "--processes", "2,4",
-                           "-o", str(path)], cwd=ROOT, capture_output=True, text=True)
+                           "--runs", str(CALIBRATIONS), "-o", str(path)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stdout[-2000:], proc.stderr[-3000:])
         raise SystemExit("plan calibrate failed")
@@ -274,7 +277,7 @@ def main() -> None:
            f"with {args.hardware or 'their kept cluster file (the cpu preset where none was kept)'}; "
            if args.again else
            f"--models {args.models} --runs {args.runs}{flag}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
-           f"predicted with {args.hardware or 'a `plan calibrate` of this machine run first'}; ")
+           f"predicted with {args.hardware or '`plan calibrate --runs 3` of this machine run first (each figure the median of three)'}; ")
     md = [f"# Time fidelity\n\n`python bench/time_fidelity.py {how}every layout of 4 processes, global batch {GLOBAL_BATCH}, each run "
           f"{args.runs} times (interleaved); measured = the median over runs of each run's step (RunReport.step_s: "
           "the median over its 7 timed steps of the slowest rank's time, every rank starting each step at once); "
