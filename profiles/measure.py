@@ -248,9 +248,10 @@ def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: Profile
 
 # A layer's weights, timed: in a step the other layers run between two uses of a layer's
 # weights, so a layer whose weights do not stay in the cache finds them in memory; timed back
-# to back on the same weights it finds them in cache. examples/mlp.py's step took 1.32-1.60x its
-# layers timed so (its blocks hold 2 MiB of weights and do little with them), the GPT's and the
-# Llama's 1.00-1.05x (bench/results/layers_in_model.md, 2026-12-06). On a CPU each repeat
+# to back on the same weights it finds them in cache. examples/mlp.py's step took 1.32-1.99x its
+# layers timed so in two runs (its blocks hold 2 MiB of weights and do little with them), the
+# GPT's and the Llama's 1.00-1.08x; timed on copies in turn, every model's layers summed to
+# within 0-9% of its step (bench/results/layers_in_model.md, 2026-12-06). On a CPU each repeat
 # therefore runs on the next of several copies of the layer, whose parameters add up to twice
 # the last-level cache: by its turn, the other copies have pushed its weights out.
 COPIES_MAX = 32
