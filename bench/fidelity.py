@@ -113,15 +113,20 @@ def stages_for(n: int, case: Case) -> list[list[Placed]]:
 MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
 
 
+def example_spec(model: str):
+    """The ModelSpec of one of MODELS: a model file, or a Hugging Face config folder."""
+    from profiles.hf import load_hf_spec
+    from profiles.model_file import load_model_file
+    source = ROOT / MODELS[model]
+    return load_hf_spec(str(source)) if source.is_dir() else load_model_file(source)
+
+
 def profile(model: str, precision: str, cache: dict):
     key = (model, precision)
     if key not in cache:
-        from profiles.hf import load_hf_spec
         from profiles.measure import ProfileOptions, profile_model
-        from profiles.model_file import load_model_file
         path = tempfile.mktemp(suffix=".json")
-        source = ROOT / MODELS[model]
-        spec = load_model_file(source) if source.suffix == ".py" else load_hf_spec(str(source))
+        spec = example_spec(model)
         prof = profile_model(spec, ProfileOptions(precision=precision, repeats=3))
         prof.save(path)
         cache[key] = (prof, path)

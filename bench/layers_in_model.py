@@ -33,21 +33,20 @@ import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from fidelity import example_spec  # noqa: E402
 from profiles.allocator import keep_freed_memory  # noqa: E402
 from profiles.measure import ProfileOptions, _needs_grad, last_level_cache_bytes, measure_time, time_layer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "layers_in_model.md"
-MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
 SIZES = (1, 4, 16)
 
 
 def load(model: str):
     """(layers as an nn.Sequential, make_batch(b), loss_fn) of one example."""
-    from profiles.hf import load_hf_spec
-    from profiles.model_file import build_checked_model, call_make_batch, load_model_file
-    source = ROOT / MODELS[model]
-    spec = load_hf_spec(str(source)) if source.is_dir() else load_model_file(source)
+    from profiles.model_file import build_checked_model, call_make_batch
+    spec = example_spec(model)
     return build_checked_model(spec), (lambda b: call_make_batch(spec, b)), spec.loss_fn
 
 

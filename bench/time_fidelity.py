@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import Case, stages_for  # noqa: E402
+from fidelity import Case, example_spec, stages_for  # noqa: E402
 from planner.build import build_plan, layout_of  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
@@ -61,7 +61,6 @@ GLOBAL_BATCH = 16
 # fit; 2026-12-04), and its two rows at 16 measured 73% and 87% off.
 PROFILED_SIZES = (1, 2, 4, 8, 16)
 STEPS = 10            # 1 warm-up, 1 memory, 7 timed, 1 under the profiler
-MODELS = {"gpt": "examples/gpt.py", "mlp": "examples/mlp.py", "llama": "examples/hf-llama-tiny"}
 GRID = [
     Case("dp4 zero0", dp=4, b=4),
     Case("dp4 zero0 accumulate 4", dp=4, b=1, m=4),
@@ -85,12 +84,8 @@ GRID = [
 
 
 def profile(model: str, workdir: Path):
-    from profiles.hf import load_hf_spec
     from profiles.measure import ProfileOptions, profile_model
-    from profiles.model_file import load_model_file
-    source = ROOT / MODELS[model]
-    spec = load_hf_spec(str(source)) if source.is_dir() else load_model_file(source)
-    prof = profile_model(spec, ProfileOptions(batch_sizes=PROFILED_SIZES, repeats=5))
+    prof = profile_model(example_spec(model), ProfileOptions(batch_sizes=PROFILED_SIZES, repeats=5))
     path = workdir / f"{model}.profile.json"
     prof.save(path)
     return prof, path
