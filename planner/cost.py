@@ -373,9 +373,12 @@ class CostModel:
         tp_grad_sync = self.collective_s("all_reduce", s.tp_grad_sync_bytes, t, cand, count=s.tp_grad_sync_count)
         step_s += tp_grad_sync
         if zero1 and d > 1:
-            # The sharded optimizer broadcasts each parameter's d chunks from their owners after the step.
-            step_s += sum(d * self.collective_s("broadcast", -(-_numel(sh) // d) * self.store_isz, d, cand, span=d * t)
-                          for sh in shapes)
+            # The sharded optimizer broadcasts the layer's chunks from each of their d owners,
+            # packed (d broadcasts moving the layer's parameters in all), and each rank copies
+            # them in and out of the packed buffers (read and written once each).
+            full_bytes = full_numel * self.store_isz
+            step_s += (self.collective_s("broadcast", full_bytes, d, cand, count=d, span=d * t)
+                       + 2 * full_bytes / self.hw.memory_bandwidth())
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
                          forward_s=fwd_s * scale, recompute_s=recompute * scale, fsdp_hooks_s=hooks * scale,
                          fsdp_sync_copies_s=sync_copies, tp_grad_sync_s=tp_grad_sync)

@@ -134,13 +134,13 @@ class ParallelModel:
         self.has_first_stage = 0 in self.stage_indices
         self.has_last_stage = len(plan.stages) - 1 in self.stage_indices
 
-        self.offloaded = [p for s, m in zip(stages, self.modules) for lc in s.layers if lc.offload
-                          for p in m.get_submodule(str(lc.index)).parameters()]
+        layers = [(lc, list(m.get_submodule(str(lc.index)).parameters())) for s, m in zip(stages, self.modules)
+                  for lc in s.layers]
+        self.offloaded = [p for lc, ps in layers if lc.offload for p in ps]
         params = [p for m in self.modules for p in m.parameters()]
         zero1 = plan.wrapped and plan.zero == 1 and plan.dp > 1
-        offloaded_ids = {id(p) for p in self.offloaded}
         self.optimizer = ShardedOptimizer(params, plan.optimizer, mesh["dp"].get_group() if zero1 else None,
-                                          replicated=[p for p in params if id(p) not in offloaded_ids])
+                                          replicated_layers=[ps for lc, ps in layers if not lc.offload])
         # Accumulation: replicate units (zero 0/1) all-reduce only after the last micro-batch;
         # fully_shard units (zero 2/3, offloaded layers) reduce-scatter after every one.
         self.sync_units = [u for m in self.modules for u in m.modules() if isinstance(u, ReplicateModule)]

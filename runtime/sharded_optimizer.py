@@ -7,9 +7,14 @@ stepping the DTensor. It also keeps `fused=True` possible: DTensor has no shardi
 
 ZeRO-1 (zero == 1): every parameter that replicate keeps in full on each dp rank is split
 into dp equal chunks of its flattened elements (`chunk_bounds`); a rank runs the inner
-optimizer on its own chunk only, so it holds 1/dp of every optimizer state, then each chunk
-is broadcast from its owner over the dp group. Parameters FSDP2 already shards (offloaded
-layers) are stepped by every rank on its own shard.
+optimizer on its own chunk only, so it holds 1/dp of every optimizer state, then each layer's
+chunks are broadcast from their owners over the dp group: one broadcast per layer and owner,
+its chunks packed into one buffer (dp x layers broadcasts a step, not dp x parameters: on 4
+gloo processes each broadcast cost 0.4-0.7 ms however small, so stop 47's per-parameter
+broadcasts took 95-187 ms of the examples' steps, bench/results/time_fidelity.md). The
+gradients of those parameters are spent by then and dropped first, so that the buffers
+(a layer's chunk, at most its gradients' size) never raise the step's memory. Parameters FSDP2
+already shards (offloaded layers) are stepped by every rank on its own shard.
 """
 
 from __future__ import annotations
@@ -48,16 +53,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ShardedOptimizer:
     """Steps `params` (this rank's, in model order) with the plan's optimizer.
 
-    dp_group set (ZeRO-1): each of the parameters in `replicated` is stepped in dp chunks,
-    one per rank, then reassembled by broadcasts.
+    dp_group set (ZeRO-1): each of the parameters in `replicated_layers` (one list per layer)
+    is stepped in dp chunks, one per rank, then reassembled by one broadcast per layer and
+    owner; step() then drops their gradients, as zero_grad would.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], config: OptimizerConfig,
-                 dp_group: dist.ProcessGroup | None = None, replicated: Iterable[nn.Parameter] = ()):
+                 dp_group: dist.ProcessGroup | None = None,
+                 replicated_layers: Iterable[Iterable[nn.Parameter]] = ()):
         self.params = list(params)
         self.config = config
         self.group = dp_group
-        shared_ids = {id(p) for p in replicated} if dp_group is not None else set()
+        self.layers = [list(layer) for layer in replicated_layers] if dp_group is not None else []
+        shared_ids = {id(p) for layer in self.layers for p in layer}
         self.chunked = [p for p in self.params if id(p) in shared_ids]
         self.whole = [p for p in self.params if id(p) not in shared_ids]
         self.me = dp_group.rank() if dp_group is not None else 0
@@ -99,11 +107,29 @@ class ShardedOptimizer:
             else:
                 alias.grad = local(p.grad) if k < n_whole else self._my_chunk(local(p.grad))
         self.inner.step()
-        for p in self.chunked:
-            flat = local(p).detach().view(-1)
-            for owner, (lo, hi) in enumerate(chunk_bounds(flat.numel(), self.group.size())):
-                if hi > lo:
-                    dist.broadcast(flat[lo:hi], group=self.group, group_src=owner)
+        for p, alias in zip(self.chunked, self.aliases[n_whole:]):
+            p.grad = alias.grad = None          # spent: their memory holds the broadcasts' buffers
+        for layer in self.layers:
+            self._broadcast_chunks(layer)
+
+    def _broadcast_chunks(self, layer: list[nn.Parameter]) -> None:
+        """Every rank's chunks of the layer's parameters from their owner: per owner (and
+        dtype), one broadcast of its chunks packed end to end."""
+        dp = self.group.size()
+        flats = [local(p).detach().view(-1) for p in layer]
+        for dtype in dict.fromkeys(f.dtype for f in flats):
+            of_dtype = [f for f in flats if f.dtype == dtype]
+            for owner in range(dp):
+                chunks = [f[lo:hi] for f in of_dtype for lo, hi in [chunk_bounds(f.numel(), dp)[owner]] if hi > lo]
+                if not chunks:
+                    continue
+                if owner == self.me:
+                    dist.broadcast(torch.cat(chunks), group=self.group, group_src=owner)
+                    continue
+                packed = torch.empty(sum(c.numel() for c in chunks), dtype=dtype, device=chunks[0].device)
+                dist.broadcast(packed, group=self.group, group_src=owner)
+                for c, part in zip(chunks, packed.split([c.numel() for c in chunks])):
+                    c.copy_(part)
 
     def zero_grad(self) -> None:
         """Drop every gradient (set_to_none), the aliases' too, so that none outlives the step."""

@@ -347,3 +347,22 @@ def test_unknown_plan_schema_is_refused(tmp_path):
     d["schema"] = 99
     plan_path.write_text(json.dumps(d))
     assert_refused(plan_path, 2, tmp_path, "has schema 99")
+
+
+def test_zero1_broadcasts_once_per_layer_and_owner(tmp_path):
+    """3 gloo ranks, two layers of two parameters each: 6 broadcasts (not 12), each of its
+    owner's chunks packed, every rank left with one process's Adam step and no gradients."""
+    proc = subprocess.run(torchrun(3, str(Path(__file__).parent / "zero1_driver.py"), str(tmp_path)),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from zero1_driver import model
+    whole = model()
+    opt = torch.optim.Adam(whole.parameters(), lr=0.1)
+    opt.step()
+    for r in range(3):
+        seen = torch.load(tmp_path / f"rank{r}.pt")
+        # layer 0: 35 + 7 elements, chunks of 12+3 / 12+3 / 11+1; layer 1: 14 + 2, 5+1 / 5+1 / 4+0
+        assert seen["sent"] == [15, 15, 12, 6, 6, 4]
+        assert seen["grads_left"] == 0
+        for got, want in zip(seen["params"], whole.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
