@@ -9,7 +9,10 @@ under torchrun. Prints, per layout, the predicted step time, the measured median
 (the noise band), the error, and the measured time by component of the slowest rank's
 profiled step beside the prediction; per model, the median and worst error,
 the rank correlation of predicted and measured times, and the free choice's measured time
-over the fastest layout's.
+over the fastest layout's. A fixed probe (bench/machine_probe.py: one process's matmul rate,
+and four processes' at once) is taken before calibrating, before each model's profile and
+after each round of its runs, so the table says how far the machine moved between a
+model's profile and its runs.
 
     python bench/time_fidelity.py [--models gpt,mlp,llama] [--runs 3] [--out NAME] [--keep DIR]  # writes bench/results/NAME.{md,csv} (time_fidelity)
     python bench/time_fidelity.py --again DIR --out NAME   # today's cost model against the runs kept in DIR, nothing run
@@ -44,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fidelity import Case, example_spec, stages_for  # noqa: E402
+from machine_probe import probe  # noqa: E402
 from planner.build import build_plan, layout_of  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
@@ -164,14 +168,25 @@ def row(model: str, name: str, k: int, plan, doc) -> dict:
             **{f"meas_{c.component}_s": c.measured for c in comps}}
 
 
-def run_grid(models: list[str], runs: int, keep: Path | None, hardware: str | None) -> list[dict]:
-    rows = []
+def probe_now(model: str, when: str) -> dict:
+    """bench/machine_probe.py's matmul rate now, alone and with 4 processes at once."""
+    out = {"model": model, "when": when, "time": time.strftime("%H:%M"), "one_gflops": probe(1), "four_gflops": probe(4)}
+    print(f"probe {model} {when}: one process {out['one_gflops']:.1f}, four {out['four_gflops']:.1f} GFLOP/s each", flush=True)
+    return out
+
+
+def run_grid(models: list[str], runs: int, keep: Path | None, hardware: str | None) -> tuple[list[dict], list[dict]]:
+    """(one row per run of each layout, the machine probes taken along the way)."""
+    rows, probes = [], []
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
+        if not hardware:
+            probes.append(probe_now("-", "calibration"))
         hw = get_hardware(hardware or str(calibrate_here(workdir)))
         for model in models:
+            probes.append(probe_now(model, "profile"))
             prof, prof_path = profile(model, workdir)
             plans = plans_for(model, prof, prof_path, workdir, hw)
             for k in range(runs):          # runs interleaved, so slow drift hits every layout alike
@@ -182,7 +197,28 @@ def run_grid(models: list[str], runs: int, keep: Path | None, hardware: str | No
                     rows.append(row(model, name, k, plan, doc))
                     print(f"{model:5s} {name:40s} run {k}: predicted {rows[-1]['predicted_s']:.4f} s, "
                           f"measured {rows[-1]['measured_s']:.4f} s ({time.perf_counter() - t:.0f} s)", flush=True)
-    return rows
+                probes.append(probe_now(model, f"after run {k}"))
+        if keep:
+            pd.DataFrame(probes).to_csv(keep / "probes.csv", index=False)
+    return rows, probes
+
+
+def probe_table(probes: pd.DataFrame) -> list[str]:
+    """The probes as markdown, and per model how far the machine moved between its profile
+    and its runs."""
+    md = ["", "Machine probe (`bench/machine_probe.py`: 256 x 256 fp32 matmuls for a second, one thread per "
+          "process; GFLOP/s of the median process), taken before calibrating, before each model's profile "
+          "and after each round of its runs:", "",
+          "| model | when | time | 1 process | 4 processes at once |", "|---|---|---|---|---|"]
+    md += [f"| {p.model} | {p.when} | {p.time} | {p.one_gflops:.1f} | {p.four_gflops:.1f} |" for p in probes.itertuples()]
+    for model, g in probes[probes["model"] != "-"].groupby("model", sort=False):
+        at_profile, runs = g.iloc[0], g.iloc[1:]
+        if runs.empty:
+            continue
+        md.append(f"- {model}: one process {100 * (runs.one_gflops.median() / at_profile.one_gflops - 1):+.0f}% "
+                  f"and four at once {100 * (runs.four_gflops.median() / at_profile.four_gflops - 1):+.0f}% "
+                  "during its runs (median of the rounds) against its profile's time.")
+    return md
 
 
 def evaluate_again(models: list[str], kept: Path, hardware: str | None) -> list[dict]:
@@ -230,8 +266,12 @@ def main() -> None:
                          "with --again, the kept cluster.toml, else the cpu preset)")
     args = ap.parse_args()
     models = args.models.split(",")
-    rows = (evaluate_again(models, args.again, args.hardware) if args.again
-            else run_grid(models, args.runs, args.keep, args.hardware))
+    if args.again:
+        rows = evaluate_again(models, args.again, args.hardware)
+        kept_probes = args.again / "probes.csv"
+        probes = pd.read_csv(kept_probes).to_dict("records") if kept_probes.exists() else []
+    else:
+        rows, probes = run_grid(models, args.runs, args.keep, args.hardware)
     if args.again:
         args.runs = max(r["run"] for r in rows) + 1
     raw = pd.DataFrame(rows)
@@ -287,6 +327,8 @@ def main() -> None:
         parts = " | ".join(f"{1e3 * r.get(f'pred_{c}_s', 0):.0f} / {1e3 * r.get(f'meas_{c}_s', 0):.0f}" for c in comps)
         md.append(f"| {r['model']} | {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
                   f"{r['noise_pct']:.0f}% | {r['error_pct']:+.1f}% | {parts} |")
+    if probes:
+        md += probe_table(pd.DataFrame(probes))
     (out / f"{args.out}.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / (args.out + '.md')} and {out / (args.out + '.csv')}")
 
