@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from planner.hardware import SIZE_UNITS, format_size
+from planner.hardware import SIZE_UNITS, format_size, rank_noun
 
 WIDE_COLUMNS = 160          # a terminal at least this wide shows every column
 
@@ -132,7 +132,7 @@ def hardware_table(presets: dict, wide: bool) -> Group:
 
 def per_rank(device_type: str) -> str:
     """What one rank of a plan is, as a table's title says it."""
-    return "per process" if device_type == "cpu" else "per GPU"
+    return f"per {rank_noun(device_type)}"
 
 
 def shows_mfu(device_type: str) -> bool:

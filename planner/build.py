@@ -8,7 +8,7 @@ from pathlib import Path
 from profiles.schema import Profile
 
 from .cost import Candidate, CostModel, Prediction
-from .hardware import HOST_USABLE_FRACTION, Hardware, format_size, size_flag_at_least
+from .hardware import HOST_USABLE_FRACTION, Hardware, format_size, rank_noun, size_flag_at_least
 from .plan import LayerChoice, OptimizerConfig, Placed, Plan, Predicted, PredictedStage, Stage, fsdp_unit
 from .search import SearchResult, Solution, SolveError, SolveOptions, frugal_fit
 
@@ -90,6 +90,7 @@ def build_plan(sol: Solution, others: list[Solution], profile: Profile, profile_
 def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, memory_limit: int) -> list[str]:
     """Sentences for the user when no layout fits: how far off, and what would fit."""
     lines = []
+    rank = rank_noun(opts.hardware.device_type)
     if result.closest:
         pred = result.closest
         cand, need = pred.candidate, pred.peak_bytes
@@ -98,11 +99,11 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
                                   ("offloaded", opts.offload == "auto" and cand.allow_offload)) if on]
         layout = f"{cand.describe()}{', every layer ' + ' and '.join(frugal) if frugal else ''}"
         if need > memory_limit:
-            lines.append(f"The layout that needs the least memory ({layout}) peaks at {format_size(need)} per GPU, "
+            lines.append(f"The layout that needs the least memory ({layout}) peaks at {format_size(need)} per {rank}, "
                          f"{format_size(need - memory_limit)} more than the {format_size(memory_limit)} limit.")
-            lines.append(f"It would fit with --memory-limit {size_flag_at_least(need)} or a GPU with that much usable memory.")
+            lines.append(f"It would fit with --memory-limit {size_flag_at_least(need)} or a {rank} with that much usable memory.")
         if pred.host_limit is not None and pred.host_peak_bytes > pred.host_limit:
-            lines.append(f"The layout that needs the least GPU memory ({layout}) offloads {format_size(pred.host_peak_bytes)} "
+            lines.append(f"The layout that needs the least memory per {rank} ({layout}) offloads {format_size(pred.host_peak_bytes)} "
                          f"of model states to the host memory of one node, more than the {format_size(pred.host_limit)} "
                          f"plans may use there ({HOST_USABLE_FRACTION:.0%} of host_memory_bytes); more GPUs share them out.")
     for factor in (2, 4, 8):

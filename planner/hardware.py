@@ -151,6 +151,11 @@ class CollectiveFit:
 HOST_USABLE_FRACTION = 0.8   # a design choice, not a measurement: what a node's host memory leaves to offload
 
 
+def rank_noun(device_type: str) -> str:
+    """What one rank of a plan is called on screen: a GPU, or a process on CPU."""
+    return "process" if device_type == "cpu" else "GPU"
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str

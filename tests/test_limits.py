@@ -44,7 +44,8 @@ def test_pinned_interleaved_schedule_stays_in_every_layout(v):
 
 def test_no_fit_explanation_names_a_limit_that_fits():
     """When nothing fits, the shortfall is positive, in a unit that suits it, and the limit it
-    suggests is one at which a layout fits (a lower bound on memory is not such a limit)."""
+    suggests is one at which a layout fits (a lower bound on memory is not such a limit); on
+    CPU processes it speaks of processes."""
     import re
 
     from planner.build import explain_no_fit
@@ -57,6 +58,7 @@ def test_no_fit_explanation_names_a_limit_that_fits():
         text = " ".join(explain_no_fit(prof, opts, result, limit))
         assert not re.search(r"(?<![\w-])-\d", text), text      # no negative figure
         assert not re.search(r"\b0\.00 [KMG]iB", text), text
+        assert "per process" in text and "GPU" not in text, text     # CPU processes, not GPUs
         flag = re.search(r"--memory-limit (\S+)", text).group(1)
         refit = search(prof, SolveOptions(**{**opts.__dict__, "memory_limit": parse_size(flag)}))
         assert refit.solutions, (flag, text)
