@@ -207,7 +207,7 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                 elif kind == "reduce_scatter":
                     fn = lambda: reduce_scatter(part, whole, group=mine)                       # noqa: E731
                 elif kind == "broadcast":
-                    # From each rank in turn, as ZeRO-1 broadcasts a parameter's chunks from their
+                    # From each rank in turn, as ZeRO-1 broadcasts a layer's packed chunks from their
                     # owners: 4 gloo processes on the 2-core VM took 0.85-1.0 ms a 1 KiB broadcast
                     # from one root and 0.3-0.75 ms from roots in turn (chains of 276, 2026-12-06).
                     roots = itertools.cycle(range(g))
