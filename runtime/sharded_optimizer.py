@@ -11,7 +11,7 @@ optimizer on its own chunk only, so it holds 1/dp of every optimizer state, then
 chunks are broadcast from their owners over the dp group: one broadcast per layer and owner,
 its chunks packed into one buffer (dp x layers broadcasts a step, not dp x parameters: on 4
 gloo processes each broadcast cost 0.4-0.7 ms however small, so stop 47's per-parameter
-broadcasts took 95-187 ms of the examples' steps, bench/results/time_fidelity.md). The
+broadcasts took 100-187 ms of the examples' ZeRO-1 steps in bench/time_fidelity.py). The
 gradients of those parameters are spent by then and dropped first, so that the buffers
 (a layer's chunk, at most its gradients' size) never raise the step's memory. Parameters FSDP2
 already shards (offloaded layers) are stepped by every rank on its own shard.
