@@ -64,8 +64,12 @@ class ShardedOptimizer:
         self.params = list(params)
         self.config = config
         self.group = dp_group
-        self.layers = [list(layer) for layer in replicated_layers] if dp_group is not None else []
-        shared_ids = {id(p) for layer in self.layers for p in layer}
+        # each parameter in its first layer only: a weight two layers share is broadcast once
+        self.layers: list[list[nn.Parameter]] = []
+        shared_ids: set[int] = set()
+        for layer in (replicated_layers if dp_group is not None else ()):
+            self.layers.append([p for p in dict.fromkeys(layer) if id(p) not in shared_ids])
+            shared_ids.update(id(p) for p in self.layers[-1])
         self.chunked = [p for p in self.params if id(p) in shared_ids]
         self.whole = [p for p in self.params if id(p) not in shared_ids]
         self.me = dp_group.rank() if dp_group is not None else 0

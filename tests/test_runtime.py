@@ -350,8 +350,9 @@ def test_unknown_plan_schema_is_refused(tmp_path):
 
 
 def test_zero1_broadcasts_once_per_layer_and_owner(tmp_path):
-    """3 gloo ranks, two layers of two parameters each: 6 broadcasts (not 12), each of its
-    owner's chunks packed, every rank left with one process's Adam step and no gradients."""
+    """3 gloo ranks, two layers of two parameters each (and the first weight again, as a tied
+    weight would come): 6 broadcasts (not 12, nor 9), each of its owner's chunks packed, every
+    rank left with one process's Adam step and no gradients."""
     proc = subprocess.run(torchrun(3, str(Path(__file__).parent / "zero1_driver.py"), str(tmp_path)),
                           capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]

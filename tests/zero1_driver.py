@@ -28,7 +28,8 @@ def main(out: str) -> None:
     broadcast = dist.broadcast
     dist.broadcast = lambda t, *a, **k: (sent.append(t.numel()), broadcast(t, *a, **k))[1]
     opt = ShardedOptimizer(list(layers.parameters()), OptimizerConfig(name="adam", lr=0.1), dist.group.WORLD,
-                           replicated_layers=[list(layer.parameters()) for layer in layers])
+                           # a third "layer" holding the first's weight again, as a tied weight would
+                           replicated_layers=[list(layer.parameters()) for layer in layers] + [[layers[0].weight]])
     opt.step()
     torch.save({"params": [p.detach().clone() for p in layers.parameters()], "sent": sent,
                 "grads_left": sum(p.grad is not None for p in layers.parameters())}, f"{out}/rank{dist.get_rank()}.pt")
