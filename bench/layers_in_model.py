@@ -87,7 +87,7 @@ def measure_model(name: str, rounds: int) -> list[dict]:
         hot, cyc, whole = [], [], []
         for _ in range(rounds):
             lt = loss_time(loss_fn, h, targets)
-            hot.append(sum(sum(measure_time(layer, layer, xi, ProfileOptions())) for layer, xi in zip(model, ins)) + lt)
+            hot.append(sum(sum(measure_time([(layer, layer)], xi, ProfileOptions())) for layer, xi in zip(model, ins)) + lt)
             cyc.append(sum(sum(time_layer(layer, xi, ProfileOptions())) for layer, xi in zip(model, ins)) + lt)
             whole.append(step_time(model, loss_fn, x, targets))
         rows.append({"model": name, "b": b, "hot": statistics.median(hot), "cycled": statistics.median(cyc),

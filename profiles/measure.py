@@ -218,13 +218,12 @@ def measure_cost(fn: Callable, x: torch.Tensor, op_seconds=None, launch_s: float
     return fwd, bwd
 
 
-def measure_time(fn: Callable, module: nn.Module, x: torch.Tensor, opts: ProfileOptions,
-                 turns: list[tuple[Callable, nn.Module]] | None = None) -> tuple[float, float]:
-    """Median forward and backward seconds after warm-up (CUDA events on a GPU); `turns`:
-    (fn, module) pairs that take the repeats in turn instead (time_layer's copies)."""
+def measure_time(turns: list[tuple[Callable, nn.Module]], x: torch.Tensor, opts: ProfileOptions) -> tuple[float, float]:
+    """Median forward and backward seconds after warm-up (CUDA events on a GPU) of `fn(x)`,
+    for (fn, module) pairs that take the repeats in turn (one pair, or time_layer's copies);
+    each repeat clears its module's gradients."""
     cuda = opts.device == "cuda"
     x_in = _fresh_input(x)
-    turns = turns or [(fn, module)]
     fwd_times, bwd_times = [], []
     for rep in range(opts.warmup + opts.repeats):
         fn, module = turns[rep % len(turns)]
@@ -289,7 +288,7 @@ def time_layer(layer: nn.Module, x: torch.Tensor, opts: ProfileOptions,
     """Forward and backward seconds of `layer` (or of `wrap(layer)`: under checkpointing) with
     its weights where a step finds them: each repeat on the next of its weight_copies."""
     turns = [(wrap(c) if wrap else c, c) for c in weight_copies(layer, opts)]
-    return measure_time(turns[0][0], layer, x, opts, turns)
+    return measure_time(turns, x, opts)
 
 
 class _Timer:
@@ -390,7 +389,7 @@ def measure_loss(loss_fn: Callable, output: torch.Tensor, targets: torch.Tensor,
     if opts.fake:
         fwd_s, bwd_s = fwd.seconds, bwd.seconds
     else:
-        fwd_s, bwd_s = measure_time(fn, empty, output, opts)
+        fwd_s, bwd_s = measure_time([(fn, empty)], output, opts)
     return LayerSample(
         input_bytes=m["input_bytes"], output_bytes=m["output_bytes"], saved_bytes=m["saved_bytes"],
         saved_input_bytes=m["saved_input_bytes"], saved_output_bytes=m["saved_output_bytes"],
@@ -577,9 +576,9 @@ def measure_fsdp_overhead(layer: nn.Module, x: torch.Tensor, mesh, opts: Profile
     diffs: dict[str, list[float]] = {mode: [] for mode in units}
     quick = dataclasses.replace(opts, warmup=1, repeats=1)
     for rep in range(2 + 2 * opts.repeats):
-        bare = sum(measure_time(layer, layer, x, quick))
+        bare = sum(measure_time([(layer, layer)], x, quick))
         for mode, unit in units.items():
-            wrapped = sum(measure_time(unit, unit, x, quick))
+            wrapped = sum(measure_time([(unit, unit)], x, quick))
             if rep >= 2:
                 diffs[mode].append(wrapped - bare)
     out = {mode: max(0.0, statistics.median(d)) for mode, d in diffs.items()}
