@@ -122,9 +122,9 @@ class ShardedOptimizer:
         dp = self.group.size()
         flats = [local(p).detach().view(-1) for p in layer]
         for dtype in dict.fromkeys(f.dtype for f in flats):
-            of_dtype = [f for f in flats if f.dtype == dtype]
+            of_dtype = [(f, chunk_bounds(f.numel(), dp)) for f in flats if f.dtype == dtype]
             for owner in range(dp):
-                chunks = [f[lo:hi] for f in of_dtype for lo, hi in [chunk_bounds(f.numel(), dp)[owner]] if hi > lo]
+                chunks = [f[lo:hi] for f, bounds in of_dtype for lo, hi in [bounds[owner]] if hi > lo]
                 if not chunks:
                     continue
                 if owner == self.me:
