@@ -2,6 +2,7 @@
 two-layer model with ShardedOptimizer's ZeRO-1, counting the broadcasts, and saves what it
 saw to DIR/rank{r}.pt."""
 
+import os
 import sys
 
 import torch
@@ -33,7 +34,11 @@ def main(out: str) -> None:
     opt.step()
     torch.save({"params": [p.detach().clone() for p in layers.parameters()], "sent": sent,
                 "grads_left": sum(p.grad is not None for p in layers.parameters())}, f"{out}/rank{dist.get_rank()}.pt")
-    dist.destroy_process_group()
+    dist.barrier()               # every rank has saved and is done with its pairs
+    # Leave without tearing gloo down: once in about 40 launches (one under CI's load at
+    # 2026-12-07 03:15, one in 8 local reruns) a rank aborted after its work, in teardown,
+    # with "terminate called without an active exception"; what this test checks is saved.
+    os._exit(0)
 
 
 if __name__ == "__main__":
