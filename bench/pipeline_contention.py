@@ -1,12 +1,12 @@
-"""Pipelines whose ranks share the cores: predicted with and without the calibrated contention.
+"""Pipelines whose ranks share the cores: predicted against measured as micro-batches are added.
 
 On 4 CPU processes over 2 cores a pipeline's slots grow with the ranks busy at once, not with
-the work: a stage woken by its receive waits for a core that another rank's compute holds. This
-runs examples/mlp.py (whose stages compute 1-2 ms a micro-batch, so the waits show most) as
-pp 4 with 1, 2, 4 and 8 micro-batches of 4 samples (GPipe; 1F1B for 4 and 8) and one micro-batch of 16,
-each `--runs` times, interleaved, and prints the measured step beside the cost model's
-prediction with the calibrated `pipeline_contention_s` and with it set to 0 (the model before
-it). Like bench/time_fidelity.py it calibrates this machine first, unless `--hardware` names a
+the work alone: the cost model slows each slot's compute and the schedule's overhead per action
+by the busy ranks over `host_cores` (planner/cost.py, compute_scale). This runs examples/mlp.py
+(whose stages compute 1-2 ms a micro-batch, so the overhead shows most) as pp 4 with 1, 2, 4
+and 8 micro-batches of 4 samples (GPipe; 1F1B for 4 and 8) and one micro-batch of 16, each
+`--runs` times, interleaved, and prints the measured step beside the cost model's prediction.
+Like bench/time_fidelity.py it calibrates this machine first, unless `--hardware` names a
 preset or cluster file. `--model gpt` (or llama) runs that model of bench/time_fidelity.py
 instead, whose actions are longer (the GPT's stages about 5 ms a micro-batch of 4).
 
@@ -17,7 +17,6 @@ instead, whose actions are longer (the GPT's stages about 5 ms a micro-batch of 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -48,32 +47,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         hw = get_hardware(args.hardware or str(calibrate_here(work)))
-        before = dataclasses.replace(hw, pipeline_contention_s=0.0)
         prof, prof_path = profile(args.model, work)
-        with_it, without = CostModel(prof, hw, 8, hw.usable_memory_bytes()), CostModel(prof, before, 8, hw.usable_memory_bytes())
+        model = CostModel(prof, hw, 8, hw.usable_memory_bytes())
         plans = []
         for case in GRID:
             path = work / f"{case.name.replace(' ', '_')}.json"
-            cand, stages, pred = write_case_plan(case, prof, prof_path, with_it, path)
-            plans.append((case, path, pred.step_s, without.evaluate(cand, stages).step_s))
+            _, _, pred = write_case_plan(case, prof, prof_path, model, path)
+            plans.append((case, path, pred.step_s))
         measured = {case.name: [] for case, *_ in plans}
         for k in range(args.runs):
             for case, path, *_ in plans:
                 measured[case.name].append(run(path, k).step_s)
                 print(f"{case.name:18s} run {k}: {1e3 * measured[case.name][-1]:.1f} ms", flush=True)
-    rows = ["| layout | measured ms (runs) | predicted ms | error | without contention ms | error |", "|---|---|---|---|---|---|"]
-    for case, _, pred, pred0 in plans:
+    rows = ["| layout | measured ms (runs) | predicted ms | error |", "|---|---|---|---|"]
+    for case, _, pred in plans:
         runs = measured[case.name]
         med = statistics.median(runs)
         rows.append(f"| {case.name} | {1e3 * med:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in runs)}) | {1e3 * pred:.1f} | "
-                    f"{100 * (pred / med - 1):+.1f}% | {1e3 * pred0:.1f} | {100 * (pred0 / med - 1):+.1f}% |")
+                    f"{100 * (pred / med - 1):+.1f}% |")
     how = args.hardware or "a `plan calibrate` of this machine run first"
     text = (f"# Pipelines on shared cores\n\n`python bench/pipeline_contention.py --runs {args.runs}"
             f"{' --hardware ' + args.hardware if args.hardware else ''}"
             f"{' --model ' + args.model if args.model != 'mlp' else ''}` on {os.cpu_count()} CPU cores, "
             f"{time.strftime('%Y-%m-%d')}: {MODELS[args.model]} as pp 4 on 4 processes, predicted with {how} "
-            f"(pipeline_overhead_s {1e3 * hw.pipeline_overhead_s:.2f} ms, pipeline_contention_s "
-            f"{1e3 * hw.pipeline_contention_s:.2f} ms, host_cores {hw.host_cores:.2f}); measured = the median over runs "
+            f"(pipeline_overhead_s {1e3 * hw.pipeline_overhead_s:.2f} ms, host_cores {hw.host_cores:.2f}); measured = the median over runs "
             "of each run's step (RunReport.step_s: over its 7 timed steps, the median of the slowest rank's time).\n\n" + "\n".join(rows) + "\n")
     out = ROOT / "bench" / "results" / ("pipeline_contention.md" if args.model == "mlp" else f"pipeline_contention_{args.model}.md")
     out.write_text(text)

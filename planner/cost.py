@@ -406,13 +406,6 @@ class CostModel:
             return 1.0
         return contention_scale(self.busy_ranks(cand), min(min(cand.world_size, self.gpus_per_node), self.hw.host_cores))
 
-    def cores_full_share(self, cand: Candidate) -> float:
-        """The share of the step's slots in which the busy ranks fill the node's cores (CPU
-        processes; cores_full_share over busy_ranks); 0 on GPUs, whose ranks share no cores."""
-        if self.hw.device_type != "cpu":
-            return 0.0
-        return cores_full_share(self.busy_ranks(cand), self.hw.host_cores)
-
     def collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None = None) -> tuple[float, float]:
         """(latency, seconds per byte) of one collective over `group` ranks of this candidate:
         the calibrated fit (plan calibrate) where there is one, else the ring model on the link
@@ -542,23 +535,18 @@ class CostModel:
         pipeline boundary the activation sent one way and its gradient back. Once per step: optimizer steps and broadcasts, and
         the gradient collectives that half the backward may hide."""
         lat, per_byte = self.collective_terms("send_recv", 2, cand, span=cand.dp * cand.tp * 2) if cand.pp > 1 else (0.0, 0.0)
-        if self.hw.pipeline_overhead_s > 0 or self.hw.pipeline_contention_s > 0:
+        if self.hw.pipeline_overhead_s > 0:
             # Measured (plan calibrate), per action: every stage of a pipeline runs a forward and
             # a backward a micro-batch, at either end as in the middle; the small send's and
             # receive's latency is in it. (Counted per boundary it gave the end stages half of
-            # theirs, and the CPU time bench's pipelines were 5-35% under their runs.) On CPU
-            # processes, an action in a slot whose busy ranks fill the cores also waits for a
-            # core, woken by its receive while they compute (pipeline_contention_s, calibrated
-            # likewise; bench/pipeline_contention.py: the MLP's pp 4 took 12 ms a step for one
-            # micro-batch and 24, 39 and 68 for 2, 4 and 8, where the model without it said 14,
-            # 21 and 37): so much in each slot where it is so, however many ranks are busy.
-            # A full action whatever the ranks beside it do: stop 41 slowed it with compute_scale
-            # (one stage busy, cheaper), fitted to runs whose measured step was the median over
-            # ranks, which left the ranks a pipeline frees early short; timed from one start to
-            # the slowest rank (RunReport.step_s), the one-micro-batch pipelines of the kept runs
-            # were 11-41% under with that and 7-29% with this (2026-12-06, docs/fidelity.md).
-            per_action = self.hw.pipeline_overhead_s + self.hw.pipeline_contention_s * self.cores_full_share(cand)
-            fixed = 2 * per_action if boundaries else 0.0
+            # theirs, and the CPU time bench's pipelines were 5-35% under their runs.) It is the
+            # rank's own work, so where busy ranks outnumber the cores it is slowed as compute is
+            # (compute_scale). Until 2026-12-07 a separately calibrated wait for a core
+            # (pipeline_contention_s, 0-1.7 ms from one calibration to the next) was added
+            # instead; with host_cores timed on layer-like work this took the median errors of
+            # four kept sets of bench/time_fidelity.py down in 11 of their 12 model cells and
+            # their rank correlations up in all (docs/cost-model.md), with no figure of its own.
+            fixed = 2 * self.hw.pipeline_overhead_s * self.compute_scale(cand) if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back
         return TimeTerms(per_micro_batch=layers_s + loss_s + fixed + 2 * sent_bytes * per_byte,
@@ -712,12 +700,6 @@ def contention_scale(busy: list[float], cores: float) -> float:
     """How much slower ranks run than alone where `busy[k]` of them work in slot k and `cores`
     run at full speed at once: the mean over the slots of max(1, busy / cores)."""
     return sum(max(1.0, b / cores) for b in busy) / len(busy)
-
-
-def cores_full_share(busy: list[float], cores: float) -> float:
-    """The share of the slots in which `busy[k]` ranks fill the `cores` that run at full speed
-    at once: a rank woken then must wait for one."""
-    return sum(b >= cores for b in busy) / len(busy)
 
 
 def zero_model_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes: float, zero: int, dp: int) -> float:

@@ -81,16 +81,17 @@ _FIELD_KINDS: dict[str, str] = {
     "attention_efficiency": "fraction",
     "memory_efficiency": "fraction",
     "pipeline_overhead_s": "seconds",
-    "pipeline_contention_s": "seconds",
     "op_launch_s": "seconds",
 }
-_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s", "pipeline_contention_s", "op_launch_s"}
+_MAY_BE_ZERO = {"collective_overlap", "pipeline_overhead_s", "op_launch_s"}
+# Fields earlier versions wrote and the cost model no longer reads: a file that has one was
+# measured or solved for another model of the step, so it is refused with what to do instead.
+RETIRED_FIELDS = ("pipeline_contention_s",)   # 2026-12-07: pipeline overhead slowed as compute is instead
 # Fields a cluster file without a base may leave out, and what they then are: rates at the
 # datasheet's peak, collectives hidden behind compute (the assumptions before they existed).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "host_cores": 64.0, "collective_overlap": 1.0, "matmul_efficiency": 1.0, "matmul_knee": 1,
-    "attention_efficiency": 1.0, "memory_efficiency": 1.0, "pipeline_overhead_s": 0.0,
-    "pipeline_contention_s": 0.0, "op_launch_s": 0.0,
+    "attention_efficiency": 1.0, "memory_efficiency": 1.0, "pipeline_overhead_s": 0.0, "op_launch_s": 0.0,
 }
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 _INT_FIELDS = tuple(k for k, v in _FIELD_KINDS.items() if v in ("size", "count"))
@@ -181,7 +182,6 @@ class Hardware:
     attention_efficiency: float = 1.0  # fused attention kernels' FLOP/s as a share of the peak
     memory_efficiency: float = 1.0   # achievable share of hbm_bandwidth (streaming copies)
     pipeline_overhead_s: float = 0.0  # per micro-batch and action (a stage's forward or backward) of a pipeline: the schedule's bookkeeping and a small send or receive
-    pipeline_contention_s: float = 0.0  # CPU processes: what each action adds in a slot whose busy ranks fill the cores (a woken stage waits for one)
     op_launch_s: float = 0.0         # the host's time to issue one op in eager PyTorch: fake-mode and moved layer times take no less than their ops' count times it
     collectives: tuple[CollectiveFit, ...] = ()  # calibrated collective times (plan calibrate); else the link figures
     sources: dict[str, str] = field(default_factory=dict, hash=False)  # field -> where the number comes from
@@ -305,6 +305,7 @@ class Hardware:
     def from_json(cls, d: dict) -> Hardware:
         if not isinstance(d, dict):
             raise HardwareError(f"hardware JSON must be an object, not {type(d).__name__}; pass what Hardware.to_json() wrote.")
+        _refuse_retired(d, "this hardware JSON", "plan solve")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -318,6 +319,19 @@ class Hardware:
         values = {k: (dict(v) if k == "sources" and isinstance(v, dict) else v) for k, v in d.items()}
         values["collectives"] = _collectives_from(d.get("collectives", []), "hardware JSON")
         return cls(**values)
+
+
+def retired_field(d: dict) -> str | None:
+    """The first field of `d` (or of its sources) that an earlier version wrote and the cost
+    model no longer reads."""
+    sources = d.get("sources") if isinstance(d.get("sources"), dict) else {}
+    return next((name for name in RETIRED_FIELDS if name in d or name in sources), None)
+
+
+def _refuse_retired(d: dict, where: str, again: str) -> None:
+    if (name := retired_field(d)) is not None:
+        raise HardwareError(f"{where} was written for an earlier cost model (it has {name}, which is no longer "
+                            f"used); run `{again}` again to write a current one.")
 
 
 def _collectives_from(entries, where: str) -> tuple[CollectiveFit, ...]:
@@ -548,8 +562,6 @@ _OVERLAP_GPU = ("assumption, not yet measured: NCCL runs on its own CUDA streams
                 "will measure it")
 _PIPE_GPU = ("not measured on a GPU yet (0): the schedule's per-micro-batch bookkeeping is then left to the "
              "send latency of the link figures; `plan calibrate --device cuda` will measure it")
-_CONTENTION_GPU = ("not applicable (0): GPU ranks do not share cores; a pipeline stage woken by its receive "
-                   "waits for no other rank's compute")
 _LAUNCH_GPU = ("measured through one H200's host (bench/gpu_check.sh, 2026-12-04; bench/results/gpu_fake.md): "
                "a ~1B GPT block at micro-batch 1 took 2.49 ms forward and backward, its 133 dispatched ops 0.63 ms "
                "at this preset's rates, so 18.7 us an op issued (the module calls, autograd's bookkeeping and the "
@@ -625,7 +637,6 @@ def _hopper_sources(gpu: str, ds: str, memory_src: str, hbm_src: str, bf16_src: 
             "measured as above: (read + written bytes) / t of a 1 GiB device-to-device copy_, 4.05 and 4.16 "
             "TB/s of the datasheet's 4.8 = 0.84-0.87"),
         "pipeline_overhead_s": _PIPE_GPU,
-        "pipeline_contention_s": _CONTENTION_GPU,
         "op_launch_s": _LAUNCH_GPU,
     }
 
@@ -661,7 +672,6 @@ def _ampere_sources(mem: str, memory_src: str, hbm_src: str, host_src: str) -> d
         "attention_efficiency": _FA2,
         "memory_efficiency": _HBM_EFF,
         "pipeline_overhead_s": _PIPE_GPU,
-        "pipeline_contention_s": _CONTENTION_GPU,
         "op_launch_s": _LAUNCH_GPU,
     }
 
@@ -845,8 +855,7 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "engineering estimate: FlashAttention-2 on Ada parts, 0.5 assumed (A100: 0.6)",
             "memory_efficiency": _HBM_EFF,
             "pipeline_overhead_s": _PIPE_GPU,
-            "pipeline_contention_s": _CONTENTION_GPU,
-            "op_launch_s": _LAUNCH_GPU,
+                "op_launch_s": _LAUNCH_GPU,
         },
     ),
     "cpu": Hardware(
@@ -865,10 +874,9 @@ PRESETS: dict[str, Hardware] = {
         host_memory_bytes=25276182528,
         host_to_device_bandwidth=1.81e+10,
         cpu_adam_params_per_s=1.82e+09,
-        host_cores=1.98,
+        host_cores=1.81,
         collective_overlap=0.0,
         pipeline_overhead_s=0.000758,
-        pipeline_contention_s=0.001457,
         op_launch_s=6.3e-06,
         collectives=_CPU_COLLECTIVES,
         sources={
@@ -896,9 +904,13 @@ PRESETS: dict[str, Hardware] = {
                                          "moved / t of a 256 MiB copy_, 1 thread"),
             "cpu_adam_params_per_s": (f"{_CPU_MEASURED}: torch.optim.AdamW(fused=True).step() on 16M fp32 "
                                       "parameters in 16 tensors, 1 thread"),
-            "host_cores": (f"{_CPU_MEASURED}: 4 single-thread processes started together each ran 256^3 fp32 "
-                           "matmuls at 51.0-53.1 GFLOP/s where one alone ran 103.5-106.6, so 1.97-1.99 run at "
-                           "full speed at once (earlier runs on this shared VM: 1.66-1.98)"),
+            "host_cores": ("measured on a 2-core dev machine (the same VM) with what `plan calibrate --device cpu` runs for "
+                           "it, calibrate.effective_cores(4), three times on 2026-12-07: 4 single-thread "
+                           "processes started together each ran two 256-1024-256 MLPs' forward and backward on 64 rows "
+                           "at 87-92 passes a second where one alone ran 190-203, so 1.73, 1.85 and 1.81 (three "
+                           "launches of three rounds each; the median) run at full speed at once. Work like a "
+                           "layer's, not in-cache matmuls: those read 1.97-1.99 on the same VM while the example "
+                           "models' blocks slowed 2.33-2.69x with four at once (bench/results/contention.md)"),
 
             "collective_overlap": (f"{_CPU_MEASURED}: gloo runs FSDP2's collectives on threads that the ranks' own "
                                    "cores must serve, and the runtime's step breakdown shows FSDP2 waiting on each "
@@ -909,13 +921,9 @@ PRESETS: dict[str, Hardware] = {
             "memory_efficiency": "not used on CPU: the bandwidth above is measured",
             "pipeline_overhead_s": (f"{_CPU_MEASURED}: a 1F1B schedule over 4 stages of a 16x16 linear layer, "
                                     "8 micro-batches: step / (m + pp - 1) / 2 actions (a forward and a backward a slot); "
-                                    "0.61-0.85 ms in the three runs (1.01 ms on 2026-12-01, 0.93 on 2026-12-04)"),
-            "pipeline_contention_s": (f"{_CPU_MEASURED}, the same runs: the same schedule over stages of two "
-                                      "256-1024-256 MLPs on 4 rows (1.11-1.18 ms forward and backward alone, step "
-                                      "58.7-63.6 ms), timed in turns with it; (slot - alone x contention scale) / 2 - "
-                                      "pipeline_overhead_s, over the share of slots whose busy ranks fill the cores "
-                                      "(calibrate.pipeline_contention_s; 1.16-1.48 ms in the three runs, 0-1.7 ms in "
-                                      "eleven runs on 2026-12-04: the figure is as noisy as this VM)"),
+                                    "0.61-0.85 ms in the three runs (1.01 ms on 2026-12-01, 0.93 on 2026-12-04, 0.57-0.91 "
+                                    "in three on 2026-12-07). Where a pipeline's busy ranks outnumber the cores it is "
+                                    "slowed as compute is (planner/cost.py, time_terms)"),
             "op_launch_s": ("measured on the same machine with calibrate.op_launch_seconds() (2026-12-05, 1 thread): "
                             "6.3 us an op, the median of five; used only by fake-mode profiles with this preset "
                             "(CPU layers are timed where they run)"),
@@ -974,6 +982,7 @@ def load_cluster_file(path) -> Hardware:
     if not isinstance(table, dict):
         raise HardwareError(f"{where}: hardware must be a table; write [hardware] on its own line and the fields below it.")
 
+    _refuse_retired(table, where, "plan calibrate")
     allowed = set(_FIELD_KINDS) | {"base"}
     for key in table:
         if key == "sources":

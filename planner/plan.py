@@ -304,7 +304,10 @@ class Plan:
         if not isinstance(self.hardware.get("name", ""), str):
             bad(f"its hardware's name is {self.hardware['name']!r}, not text")
         if "device_type" in self.hardware:      # a full description (plan solve's); hand-written plans may name one only
-            from .hardware import Hardware, HardwareError
+            from .hardware import Hardware, HardwareError, retired_field
+            if (old := retired_field(self.hardware)) is not None:
+                raise PlanError(f"{source} was solved by an earlier version (its hardware has {old}, which the "
+                                "cost model no longer uses); solve again with `plan solve`.")
             try:
                 Hardware.from_json(self.hardware)
             except (HardwareError, KeyError, TypeError, ValueError) as e:

@@ -12,8 +12,8 @@ them:
   asynchronous sends: alone), by the slowest rank;
   each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
 - on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
-  the cores run at full speed at once (`host_cores`, from the same matmul run in every
-  process together);
+  the cores run at full speed at once (`host_cores`, from layer-like work run alone and in
+  every process together), and a pipeline schedule's overhead per action;
 - on a GPU: bf16 / fp32 matmul FLOP/s over a sweep of shapes, fitted as the best share of the
   peak and a per-dimension knee (`Hardware.matmul_flops`), and the achievable copy bandwidth.
 
@@ -262,19 +262,7 @@ def fit_collectives(rows: list[dict]) -> list[CollectiveFit]:
     return fits
 
 
-# A stage of the loaded pipeline: about two milliseconds of one thread's forward and backward
-# on the 2-core VM (1.4-2.7 ms from run to run), as small layers' stages are (the MLP
-# example's 2-3 blocks of a micro-batch of 4 take 1-1.5 ms).
-LOADED_WIDTH, LOADED_ROWS = 256, 4
-
-
-def _loaded_stage():
-    import torch.nn as nn
-    w = LOADED_WIDTH
-    return nn.Sequential(*[nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(2)])
-
-
-def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repeats: int, rounds: int, queue) -> None:
+def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repeats: int, queue) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -284,77 +272,38 @@ def _pipeline_worker(rank: int, world: int, port: int, micro_batches: int, repea
     keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    loaded = _loaded_stage()
-    # The loaded stage's forward and backward alone, one rank at a time (the others wait).
-    x1 = torch.randn(LOADED_ROWS, LOADED_WIDTH, requires_grad=True)
-    alone = 0.0
-    for r in range(world):
-        dist.barrier()
-        if r == rank:
-            alone = median_time(lambda: loaded(x1).sum().backward(), repeats=40, warmup=5)
-    dist.barrier()
+    schedule = Schedule1F1B(PipelineStage(nn.Linear(16, 16), rank, world, torch.device("cpu")), micro_batches,
+                            loss_fn=lambda out, target: out.sum())
+    x = torch.randn(micro_batches, 16)
 
-    def stepper(module, width, rows):
-        schedule = Schedule1F1B(PipelineStage(module, rank, world, torch.device("cpu")), micro_batches,
-                                loss_fn=lambda out, target: out.sum())
-        x = torch.randn(micro_batches * rows, width)
-
-        def step():
-            if rank == 0:
-                schedule.step(x)
-            elif rank == world - 1:
-                schedule.step(target=x, losses=[])
-            else:
-                schedule.step()
-        return step
-    idle, busy = stepper(nn.Linear(16, 16), 16, 1), stepper(loaded, LOADED_WIDTH, LOADED_ROWS)
-    times = []
-    for _ in range(rounds):            # interleaved, so that the machine's drift hits both alike
-        times.append([_time_in_step(step, lambda: None, dist.barrier, repeats, rounds=1) for step in (idle, busy)])
-    t = torch.tensor([statistics.median(col) for col in zip(*times)] + [alone], dtype=torch.float64)
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=x, losses=[])
+        else:
+            schedule.step()
+    t = torch.tensor([_time_in_step(step, lambda: None, dist.barrier, repeats, rounds=1)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put(tuple(t.tolist()))
+        queue.put(t.item())
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_pipeline(processes: int, cores: float, micro_batches: int = 8, repeats: int = 10,
-                     rounds: int = 5) -> tuple[float, float, float, float]:
+def measure_pipeline(processes: int, micro_batches: int = 8, repeats: int = 30) -> float:
     """A pipeline's overhead per micro-batch and action (a stage's forward or its backward)
-    beside its compute and its transfers' bytes, and what each action adds in a slot whose busy
-    ranks fill the cores: (pipeline_overhead_s, pipeline_contention_s, the loaded step, its
-    stage alone).
-    Two 1F1B schedules over `processes` stages, timed in turns: one of a 16 x 16 linear layer
-    (no compute to speak of, the cores free: its step is m + pp - 1 slots of a forward and a
-    backward, so the overhead is step / (m + pp - 1) / 2), and one of _loaded_stage, solved for
-    the contention by pipeline_contention_s."""
+    beside its compute and its transfers' bytes (pipeline_overhead_s): a 1F1B schedule over
+    `processes` stages of a 16 x 16 linear layer, no compute to speak of and the cores free,
+    whose step is m + pp - 1 slots of a forward and a backward, so step / (m + pp - 1) / 2.
+    Where busy ranks fill the cores the cost model slows it as it slows compute."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, rounds, queue),
+    mp.spawn(_pipeline_worker, args=(processes, _free_port(), micro_batches, repeats, queue),
              nprocs=processes, join=True)
-    idle_step, step, alone = queue.get()
-    overhead = idle_step / (micro_batches + processes - 1) / 2
-    return overhead, pipeline_contention_s(step, alone, micro_batches, processes, cores, overhead), step, alone
-
-
-def pipeline_contention_s(step: float, alone: float, m: int, pp: int, cores: float, idle_overhead_s: float) -> float:
-    """The cost model takes a slot of a pipeline of `pp` CPU processes (one stage each) as the
-    stage's compute alone x contention_scale (its busy ranks over `cores`) + 2 actions of
-    idle_overhead_s, + 2 x pipeline_contention_s in the share of slots whose busy ranks fill
-    the cores (cores_full_share); this solves that for pipeline_contention_s from a measured
-    step of m micro-batches (m + pp - 1 slots). A stage woken by its receive while the other
-    ranks compute waits for a core."""
-    from planner.cost import busy_per_slot, contention_scale, cores_full_share
-
-    busy = busy_per_slot(m, pp, pp)
-    share = cores_full_share(busy, cores)
-    if share == 0.0:
-        return 0.0                                   # the cores run every stage at once: nothing waits
-    slot = step / (m + pp - 1)
-    return max(0.0, ((slot - alone * contention_scale(busy, min(pp, cores))) / 2 - idle_overhead_s) / share)
+    return queue.get() / (micro_batches + processes - 1) / 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,48 +418,62 @@ def op_launch_seconds(device: str = "cpu", repeats: int = 50) -> float:
     return median_time(step, repeats, sync=sync) / ops.ops
 
 
-def _matmul_rate(n: int, seconds: float) -> float:
-    """FLOP/s of back-to-back n^3 fp32 matmuls on one thread, over `seconds` of wall time."""
+# Work like a layer's, for host_cores: two 256-1024-256 MLPs' forward and backward on 64 rows
+# (matmuls and the elementwise ops between them, 4-5 ms on the 2-core VM). Four processes at
+# once ran it at 1.69-1.81 processes' worth (three launches of three rounds, 2026-12-07) where
+# 256^3 matmuls alone read 1.92-2.03, and the example models' blocks slowed 2.33-2.69x with four
+# at once where those matmuls slowed 2.03-2.07x (bench/results/contention.md): the matmuls
+# stay in a core's cache, a step's work does not.
+LAYER_WIDTH, LAYER_ROWS = 256, 64
+
+
+def _layer_work_rate(seconds: float) -> float:
+    """Forward-and-backward passes a second of the layer-like work above, on this thread, over
+    `seconds` of wall time."""
     import torch
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
+    import torch.nn as nn
+    w = LAYER_WIDTH
+    layer = nn.Sequential(*[nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(2)])
+    x = torch.randn(LAYER_ROWS, w, requires_grad=True)
+    for _ in range(2):
+        layer(x).sum().backward()
     count, t0 = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - t0) < seconds:
-        torch.mm(a, b, out=out)
+        layer(x).sum().backward()
         count += 1
-    return 2.0 * n**3 * count / elapsed
+    return count / elapsed
 
 
-def _matmul_worker(rank: int, n: int, seconds: float, barrier, queue) -> None:
+def _layer_work_worker(rank: int, seconds: float, barrier, queue) -> None:
     import torch
     torch.set_num_threads(1)
     keep_freed_memory()
     barrier.wait()                     # every process computes over the same interval
-    queue.put(_matmul_rate(n, seconds))
+    queue.put(_layer_work_rate(seconds))
 
 
-def effective_cores(processes: int, n: int = 256, seconds: float = 2.0, rounds: int = 3) -> tuple[float, float, float]:
-    """How many single-thread processes run at full speed at once: processes x (the matmul rate
-    each gets while all run together) / (the rate one gets alone), the median of `rounds`
-    (a shared VM moves it by tens of percent). Returns (cores, alone, together)."""
-    runs = sorted((_effective_cores_once(processes, n, seconds) for _ in range(rounds)), key=lambda r: r[0])
+def effective_cores(processes: int, seconds: float = 2.0, rounds: int = 3) -> tuple[float, float, float]:
+    """How many single-thread processes run at full speed at once: processes x (the rate of
+    layer-like work each gets while all run together) / (the rate one gets alone), the median
+    of `rounds` (a shared VM moves it by tens of percent). Returns (cores, alone, together), the
+    rates in passes a second."""
+    runs = sorted((_effective_cores_once(processes, seconds) for _ in range(rounds)), key=lambda r: r[0])
     return runs[len(runs) // 2]
 
 
-def _effective_cores_once(processes: int, n: int, seconds: float) -> tuple[float, float, float]:
+def _effective_cores_once(processes: int, seconds: float) -> tuple[float, float, float]:
     import torch
     import torch.multiprocessing as mp
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = _matmul_rate(n, seconds)
+        alone = _layer_work_rate(seconds)
     finally:
         torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.SimpleQueue(), ctx.Barrier(processes)
-    mp.spawn(_matmul_worker, args=(n, seconds, barrier, queue), nprocs=processes, join=True)
+    mp.spawn(_layer_work_worker, args=(seconds, barrier, queue), nprocs=processes, join=True)
     together = statistics.mean(queue.get() for _ in range(processes))
     cores = min(float(os.cpu_count() or 1), processes * together / alone)
     return cores, alone, together
@@ -577,10 +540,11 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
             torch.set_num_threads(threads)
         put("host_memory_bytes", host_memory_bytes(), "MemTotal in /proc/meminfo")
         most = max(processes)
-        on_progress(f"matmul in {most} processes at once")
+        on_progress(f"layer-like work in {most} processes at once")
         cores, alone, together = effective_cores(most)
-        put("host_cores", cores, f"{most} processes x their matmul rate together ({together / 1e9:.1f} GFLOP/s each) "
-                                  f"/ one alone ({alone / 1e9:.1f} GFLOP/s)")
+        put("host_cores", cores, f"{most} processes x their rate together ({together:.0f} forward-and-backward passes a second "
+                                  f"each of two {LAYER_WIDTH}-{4 * LAYER_WIDTH}-{LAYER_WIDTH} MLPs on {LAYER_ROWS} rows) "
+                                  f"/ one alone ({alone:.0f})")
         put("collective_overlap", 0.0, "gloo runs FSDP2's collectives on threads that the ranks' own cores must serve, "
                                        "and the step's time breakdown (run.json) shows FSDP2 waiting on each one")
         notes.append(f"{cores:.2f} processes at a time run at full speed ({most} together: {together / alone:.2f} of one alone)")
@@ -624,17 +588,11 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
     if device == "cpu":
         most = max(processes)
         on_progress(f"pipelines of {most} stages")
-        idle, contention, step, alone = measure_pipeline(most, fields["host_cores"])
+        idle = measure_pipeline(most)
         put("pipeline_overhead_s", idle,
             f"a 1F1B schedule over {most} stages of a 16x16 linear layer, 8 micro-batches: "
             "step / (m + pp - 1) / 2 actions (a forward and a backward a slot)")
-        put("pipeline_contention_s", contention,
-            f"the same schedule with stages of two {LOADED_WIDTH}-{4 * LOADED_WIDTH}-{LOADED_WIDTH} MLPs on "
-            f"{LOADED_ROWS} rows ({alone * 1e3:.2f} ms forward and backward alone; step {step * 1e3:.1f} ms), "
-            "timed in turns with it: (slot - alone x contention scale) / 2 - pipeline_overhead_s, over the share of "
-            "slots whose busy ranks fill the cores")
-        notes.append(f"a pipeline action: {idle * 1e3:.2f} ms with the cores free, "
-                     f"+ {contention * 1e3:.2f} ms where the busy ranks fill them")
+        notes.append(f"a pipeline action: {idle * 1e3:.2f} ms with the cores free")
     fits = fit_collectives(rows)
     for f in fits:
         notes.append(f"{fit_text(f)} (worst miss {100 * f.max_residual:.0f}%)")

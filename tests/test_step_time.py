@@ -4,6 +4,7 @@ the cost model's use of calibrated collectives. Torch-free except where marked."
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 import random
 from types import SimpleNamespace
@@ -159,7 +160,7 @@ def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_bac
     runs both as a middle one does (it was charged per boundary, half at the ends). Without a
     pipeline, none; without a measured overhead (GPU presets), the link's latency per boundary."""
     prof = tiny_profile()
-    hw = dataclasses.replace(PRESETS["cpu"], pipeline_overhead_s=1e-3, pipeline_contention_s=0.0, collectives=())
+    hw = dataclasses.replace(PRESETS["cpu"], pipeline_overhead_s=1e-3, host_cores=8.0, collectives=())
     model = CostModel(prof, hw, 8, 1 << 40)
     cand = Candidate(1, 1, 3, 1, 4, 0, "1f1b", False, False)
     bare = [model.time_terms(cand, 0.0, 0.0, 0, b, 0.0, 0.0, 0.0).per_micro_batch for b in (1, 2)]
@@ -180,44 +181,53 @@ def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_bac
         assert st.micro_batch_s == pytest.approx(layers + loss + 2e-3 + sent)
 
 
-def test_pipeline_actions_wait_for_a_core_in_slots_whose_busy_ranks_fill_the_cores():
-    """On CPU processes a pipeline action costs its overhead on free cores plus the calibrated
-    contention in the share of slots whose busy ranks fill the cores: nothing for one
-    micro-batch (one stage busy at a time), more the more of the step is so; nothing on a GPU."""
+def test_pipeline_actions_slow_as_compute_does_where_busy_ranks_outnumber_the_cores():
+    """On CPU processes a pipeline action is its rank's own work: its calibrated overhead is
+    slowed by the same factor as the stage's compute (compute_scale over the slots' busy ranks),
+    so not at all for one micro-batch (one stage busy at a time), more the more of the step the
+    busy ranks outnumber the cores; never on a GPU, whose ranks share no cores."""
     prof = tiny_profile()
-    hw = dataclasses.replace(PRESETS["cpu"], host_cores=2.0, pipeline_overhead_s=1e-3, pipeline_contention_s=4e-3,
-                             collectives=())
+    hw = dataclasses.replace(PRESETS["cpu"], host_cores=2.0, pipeline_overhead_s=1e-3, collectives=())
     model = CostModel(prof, hw, 8, 1 << 40)
 
     def per_action(m: int, pp: int = 4, dp: int = 1) -> float:
         cand = Candidate(dp, 1, pp, 1, m, 0, "1f1b", dp > 1, False)
         return model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch / 2
-    # pp 4: the slots keep 1, 2, ..., 2, 1 stages busy; 2 or more fill 2 cores
-    assert per_action(1) == pytest.approx(1e-3)                      # 1 busy in each of 4 slots
-    assert per_action(2) == pytest.approx(1e-3 + 4e-3 * 3 / 5)       # 1, 2, 2, 2, 1
-    assert per_action(4) == pytest.approx(1e-3 + 4e-3 * 5 / 7)       # 1, 2, 3, 4, 3, 2, 1
+    # pp 4: the slots keep 1, 2, ..., 2, 1 stages busy; more than 2 share 2 cores
+    assert per_action(1) == pytest.approx(1e-3)                                      # 1 busy in each of 4 slots
+    assert per_action(2) == pytest.approx(1e-3)                                      # 1, 2, 2, 2, 1: never more than 2
+    assert per_action(4) == pytest.approx(1e-3 * (1 + 1 + 1.5 + 2 + 1.5 + 1 + 1) / 7)  # 1, 2, 3, 4, 3, 2, 1
     assert per_action(16) > per_action(4)
-    assert per_action(4, pp=2, dp=2) == pytest.approx(1e-3 + 4e-3)   # 2, 4, 4, 4, 2: always full
+    assert per_action(4, pp=2, dp=2) == pytest.approx(1e-3 * (1 + 2 + 2 + 2 + 1) / 5)  # 2, 4, 4, 4, 2 ranks
+    for m, pp, dp in ((4, 4, 1), (8, 2, 2)):
+        cand = Candidate(dp, 1, pp, 1, m, 0, "1f1b", dp > 1, False)
+        assert per_action(m, pp, dp) == pytest.approx(1e-3 * model.compute_scale(cand))
     gpu = CostModel(prof, dataclasses.replace(hw, device_type="cuda"), 8, 1 << 40)
     assert gpu.time_terms(Candidate(1, 1, 4, 1, 4, 0, "1f1b", False, False), 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0
                           ).per_micro_batch == pytest.approx(2e-3)
 
 
-def test_calibration_recovers_the_pipeline_contention_the_cost_model_charges():
-    """plan calibrate times a loaded 4-stage pipeline and solves the cost model's slot for the
-    contention: a step made by the cost model's own terms gives back the contention it was made with."""
-    from profiles.calibrate import pipeline_contention_s
-    prof = tiny_profile()
-    for cores, m, contention in ((1.9, 8, 1.5e-3), (2.0, 4, 3e-3), (3.0, 8, 0.7e-3)):
-        hw = dataclasses.replace(PRESETS["cpu"], host_cores=cores, pipeline_overhead_s=0.8e-3,
-                                 pipeline_contention_s=contention, collectives=())
-        model = CostModel(prof, hw, 8, 1 << 40)
-        cand = Candidate(1, 1, 4, 1, m, 0, "1f1b", False, False)
-        alone = 2e-3                                 # a stage's forward and backward, one process alone
-        slot = alone * model.compute_scale(cand) + model.time_terms(cand, 0.0, 0.0, 0, 1, 0.0, 0.0, 0.0).per_micro_batch
-        got = pipeline_contention_s(slot * (m + 3), alone, m, 4, cores, 0.8e-3)
-        assert got == pytest.approx(contention)
-    assert pipeline_contention_s(0.1, 2e-3, 8, 2, 3.0, 1e-3) == 0.0    # 2 ranks on 3 cores: never full
+def test_files_that_carry_the_retired_pipeline_contention_are_refused_with_the_fix(tmp_path):
+    """A cluster file or plan written before 2026-12-07 has pipeline_contention_s, which no
+    longer means anything to the cost model (and its host_cores was timed another way): one
+    sentence names the field and the command that writes a current file."""
+    from planner.hardware import HardwareError, Hardware, load_cluster_file
+    old = tmp_path / "old.toml"
+    old.write_text('[hardware]\nbase = "cpu"\nhost_cores = 1.98\npipeline_contention_s = 0.0012\n')
+    with pytest.raises(HardwareError, match=r"has pipeline_contention_s, which is no longer used\); run `plan calibrate` again"):
+        load_cluster_file(old)
+    with pytest.raises(HardwareError, match=r"has pipeline_contention_s, which is no longer used\); run `plan solve` again"):
+        Hardware.from_json({**PRESETS["cpu"].to_json(), "pipeline_contention_s": 0.0012})
+    assert Hardware.from_json(PRESETS["cpu"].to_json()) == PRESETS["cpu"]
+    from runtime_cases import make_plan
+    from planner.plan import Plan, PlanError
+    d = json.loads(json.dumps(make_plan(dp=2, n_layers=3).to_json()))
+    d["hardware"] = PRESETS["cpu"].to_json()          # what plan solve writes: the whole description
+    Plan.from_json(d)
+    d["hardware"]["pipeline_contention_s"] = 0.0012
+    with pytest.raises(PlanError, match=r"was solved by an earlier version \(its hardware has pipeline_contention_s.*"
+                                        r"solve again with `plan solve`\.$"):
+        Plan.from_json(d, source="plan old.json")
 
 
 def test_cpu_ranks_beyond_the_cores_share_them_and_pipelines_share_less():
