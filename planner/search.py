@@ -397,8 +397,9 @@ def search(profile: Profile, opts: SolveOptions, on_progress: Callable[[int, int
     result.notes.append(step_time_trust(profile, opts.hardware, model.measured_here))
     busy = min(opts.gpus, opts.node_size)
     if opts.hardware.device_type == "cpu" and busy > opts.hardware.host_cores:
-        result.notes.append(f"{busy} CPU processes share cores that run {opts.hardware.host_cores:g} at full speed: "
-                            "their compute is costed slower by as many as are busy at once (docs/cost-model.md)")
+        result.notes.append(f"{busy} CPU processes share cores worth {opts.hardware.host_cores:.2f} processes at full "
+                            "speed: their compute and a pipeline's overhead are costed slower by as many as are busy "
+                            "at once (docs/cost-model.md)")
     misses: list[tuple[int, Candidate]] = []     # (memory lower bound, candidate) of those that do not fit
     known: dict[Candidate, float] = {}           # candidate -> a step time one of its fitting layouts reaches (exact, or seeded)
     seeds: dict[Candidate, tuple[float, list]] | None = None   # seed_steps: (step time, layout), made once
