@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import Case  # noqa: E402
-from time_fidelity import MODELS, calibrate_here, profile, run, write_case_plan  # noqa: E402
+from fidelity import MODELS, Case  # noqa: E402
+from time_fidelity import calibrate_here, profile, run, write_case_plan  # noqa: E402
 from planner.cost import CostModel  # noqa: E402
 from planner.hardware import get_hardware  # noqa: E402
 
