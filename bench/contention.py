@@ -1,7 +1,8 @@
 """How much each kind of work slows when more single-thread CPU processes than cores share them.
 
 The cost model slows a rank's compute by busy ranks / `host_cores` (planner/cost.py,
-contention_scale), and `plan calibrate` measures `host_cores` with 256^3 matmuls. This times
+contention_scale), and `plan calibrate` measures `host_cores` on two small MLPs' forward and
+backward (profiles/calibrate.py, effective_cores; 256^3 matmuls until stop 49). This times
 other work the same way, alone and then in N processes at once, to see whether one figure
 serves them all: tiny ops (dispatch-bound), the example models' blocks at micro-batch 4, and
 what FSDP2's `replicate` adds to a block (over a 1-rank group, so no collective is waited on).
@@ -34,7 +35,7 @@ def workloads(world: int) -> dict:
 
     a, b, small = torch.randn(256, 256), torch.randn(256, 256), torch.randn(64)
 
-    def matmul():                                    # what plan calibrate's host_cores times
+    def matmul():                                    # what plan calibrate's host_cores timed until stop 49
         for _ in range(8):
             torch.mm(a, b)
 
@@ -50,7 +51,11 @@ def workloads(world: int) -> dict:
                 p.grad = None
         return run
 
-    out = {"matmul 256^3 x 8": matmul, "200 adds on 64 values": tiny_ops}
+    from profiles.calibrate import LAYER_ROWS, LAYER_WIDTH, layer_like_work
+    w = LAYER_WIDTH
+    out = {"matmul 256^3 x 8": matmul,
+           f"two {w}-{4 * w}-{w} MLPs on {LAYER_ROWS} rows (what host_cores times)": fwd_bwd(*layer_like_work()),
+           "200 adds on 64 values": tiny_ops}
     for name in ("mlp", "gpt"):
         ns = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))
         torch.manual_seed(0)
@@ -136,7 +141,8 @@ def main() -> None:
              f"{args.launches}` on {os.cpu_count()} CPU cores, {date.today()}: each workload timed for {SECONDS:g} s "
              f"in one process alone and in {args.processes} single-thread processes at once (the median of "
              f"{args.rounds} rounds, the mean over processes); slowdown = together / alone, per launch. The cost "
-             "model slows all compute by busy ranks / host_cores, host_cores from the matmul row.", "",
+             "model slows all compute by busy ranks / host_cores, host_cores from the MLPs' row (from the matmul's "
+             "until stop 49).", "",
              "| work | alone ms | together ms | slowdown |", "|---|---|---|---|"]
     for name in alone:
         lo, hi = min(slowdowns[name]), max(slowdowns[name])

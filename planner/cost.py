@@ -544,8 +544,8 @@ class CostModel:
             # (compute_scale). Until 2026-12-07 a separately calibrated wait for a core
             # (pipeline_contention_s, 0-1.7 ms from one calibration to the next) was added
             # instead; with host_cores timed on layer-like work this took the median errors of
-            # four kept sets of bench/time_fidelity.py down in 11 of their 12 model cells and
-            # their rank correlations up in all (docs/cost-model.md), with no figure of its own.
+            # four kept sets of bench/time_fidelity.py down in 11 of their 12 model cells, no
+            # rank correlation down (docs/cost-model.md), with no figure of its own to calibrate.
             fixed = 2 * self.hw.pipeline_overhead_s * self.compute_scale(cand) if boundaries else 0.0
         else:
             fixed = boundaries * 2 * lat           # the link: each boundary's send one way and its gradient back

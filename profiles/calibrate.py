@@ -427,14 +427,20 @@ def op_launch_seconds(device: str = "cpu", repeats: int = 50) -> float:
 LAYER_WIDTH, LAYER_ROWS = 256, 64
 
 
-def _layer_work_rate(seconds: float) -> float:
-    """Forward-and-backward passes a second of the layer-like work above, on this thread, over
-    `seconds` of wall time."""
+def layer_like_work():
+    """The module and input host_cores is timed on: two LAYER_WIDTH-wide MLPs (4x hidden, GELU)
+    on LAYER_ROWS rows."""
     import torch
     import torch.nn as nn
     w = LAYER_WIDTH
     layer = nn.Sequential(*[nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(2)])
-    x = torch.randn(LAYER_ROWS, w, requires_grad=True)
+    return layer, torch.randn(LAYER_ROWS, w, requires_grad=True)
+
+
+def _layer_work_rate(seconds: float) -> float:
+    """Forward-and-backward passes a second of the layer-like work above, on this thread, over
+    `seconds` of wall time."""
+    layer, x = layer_like_work()
     for _ in range(2):
         layer(x).sum().backward()
     count, t0 = 0, time.perf_counter()
