@@ -855,7 +855,7 @@ PRESETS: dict[str, Hardware] = {
             "attention_efficiency": "engineering estimate: FlashAttention-2 on Ada parts, 0.5 assumed (A100: 0.6)",
             "memory_efficiency": _HBM_EFF,
             "pipeline_overhead_s": _PIPE_GPU,
-                "op_launch_s": _LAUNCH_GPU,
+            "op_launch_s": _LAUNCH_GPU,
         },
     ),
     "cpu": Hardware(

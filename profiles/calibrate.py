@@ -420,10 +420,10 @@ def op_launch_seconds(device: str = "cpu", repeats: int = 50) -> float:
 
 # Work like a layer's, for host_cores: two 256-1024-256 MLPs' forward and backward on 64 rows
 # (matmuls and the elementwise ops between them, 4-5 ms on the 2-core VM). Four processes at
-# once ran it at 1.69-1.81 processes' worth (three launches of three rounds, 2026-12-07) where
-# 256^3 matmuls alone read 1.92-2.03, and the example models' blocks slowed 2.33-2.69x with four
-# at once where those matmuls slowed 2.03-2.07x (bench/results/contention.md): the matmuls
-# stay in a core's cache, a step's work does not.
+# once ran it at 1.69-1.85 processes' worth (six launches of three rounds, 2026-12-07) where
+# 256^3 matmuls alone read 1.92-2.03, and timed call by call it slowed 2.42-2.53x with four at
+# once, among the example models' blocks (2.35-2.88x), where those matmuls slowed 2.00-2.09x
+# (bench/results/contention.md): the matmuls stay in a core's cache, a step's work does not.
 LAYER_WIDTH, LAYER_ROWS = 256, 64
 
 
