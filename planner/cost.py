@@ -246,8 +246,9 @@ class CostModel:
                               fwd_transient=s.fwd_transient_bytes, bwd_peak=s.bwd_peak_bytes,
                               bwd_accum_peak=s.bwd_accum_peak_bytes)
             f, b = self._times(s)
+            count = s.tp_fwd_comm_count + s.tp_bwd_comm_count
             tp_comm = self.collective_s("all_reduce", s.tp_fwd_comm_bytes + s.tp_bwd_comm_bytes, cand.tp, cand,
-                                        count=s.tp_fwd_comm_count + s.tp_bwd_comm_count)
+                                        count=count, after_s=(f + b) / count if count else None)
             self._cache[key] = LayerCost(mem, f + b, tp_comm, 0.0, 0.0, 0, s.fwd_flops + s.bwd_flops, tp_comm, forward_s=f)
         return self._cache[key]
 
@@ -335,19 +336,32 @@ class CostModel:
         # parallelism they are all-gathers and reduce-scatters where the regions' all-reduces
         # were, in pairs (a region gathers in and scatters out, its backward the mirror image):
         # half of them costed as each kind.
-        def tp_collectives(kinds, fwd_bytes, fwd_count, bwd_bytes, bwd_count, sac_bytes, sac_count):
-            def cost(nbytes, count):
-                return sum(self.collective_s(k, nbytes / len(kinds), t, cand, count=count / len(kinds)) for k in kinds)
-            fwd = cost(fwd_bytes, fwd_count)
-            if checkpoint == "selective":
-                return fwd + cost(sac_bytes, sac_count)
-            return fwd * (2 if checkpoint == "full" else 1) + cost(bwd_bytes, bwd_count)
-        tp_comm = tp_collectives(("all_reduce",), s.tp_fwd_comm_bytes, s.tp_fwd_comm_count, s.tp_bwd_comm_bytes,
-                                 s.tp_bwd_comm_count, s.sac_tp_bwd_comm_bytes, s.sac_tp_bwd_comm_count) \
-            + tp_collectives(("all_gather", "reduce_scatter"), s.sp_fwd_comm_bytes, s.sp_fwd_comm_count,
-                             s.sp_bwd_comm_bytes, s.sp_bwd_comm_count, s.sac_sp_bwd_comm_bytes, s.sac_sp_bwd_comm_count)
-        gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t)
-        reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t)
+        def per_micro_batch(fwd, bwd, sac):
+            return fwd + sac if checkpoint == "selective" else fwd * (2 if checkpoint == "full" else 1) + bwd
+        tp_count = per_micro_batch(s.tp_fwd_comm_count, s.tp_bwd_comm_count, s.sac_tp_bwd_comm_count)
+        sp_count = per_micro_batch(s.sp_fwd_comm_count, s.sp_bwd_comm_count, s.sac_sp_bwd_comm_count)
+        # FSDP2's per micro-batch: all-gathers (forward, and again in backward if resharded
+        # after forward) and, sharded without pipelining, the reduce-scatter.
+        gathers = {"shard": 2, "shard_keep": 1}.get(mode, 0)
+        reduce_each = sharding and cand.pp == 1
+        # The rank's own work (alone; FSDP2's hooks and copies are CPU work too) before each of
+        # those, on average: a collective costs more the longer the ranks worked before it
+        # (CollectiveFit.slice_s; TP's come every fraction of a layer, FSDP2's every third).
+        in_step = (tp_count + sp_count if t > 1 else 0) + (gathers + reduce_each if d > 1 else 0)
+        after_s = (fwd_s + bwd_s + recompute + hooks) / in_step if in_step else None
+        tp_comm = self.collective_s("all_reduce", per_micro_batch(s.tp_fwd_comm_bytes, s.tp_bwd_comm_bytes,
+                                                                  s.sac_tp_bwd_comm_bytes), t, cand,
+                                    count=tp_count, after_s=after_s)
+        sp_bytes = per_micro_batch(s.sp_fwd_comm_bytes, s.sp_bwd_comm_bytes, s.sac_sp_bwd_comm_bytes)
+        tp_comm += sum(self.collective_s(k, sp_bytes / 2, t, cand, count=sp_count / 2, after_s=after_s)
+                       for k in ("all_gather", "reduce_scatter"))
+        gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t, after_s=after_s)
+        # The step's gradient reductions (replicate's after each layer's backward, a pipeline's
+        # back to back at the step's end) keep the fit as timed: the MLP's replicate all-reduces
+        # after 0.4 ms of backward each took 8.7 ms on average where the fit says 8.4 and the
+        # slice rule 7.8 (one traced dp 4 step, 2026-12-07).
+        reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t,
+                                   after_s=after_s if reduce_each else None)
         fsdp_comm = sync = 0.0
         if mode == "shard":
             fsdp_comm = 2 * gather               # forward, and again in backward (resharded after forward)
@@ -412,14 +426,24 @@ class CostModel:
         across the `span` consecutive ranks the group covers (default `group`: TP groups are
         consecutive ranks; a DP group strides over tp, so it spans dp x tp; a pipeline
         neighbour is dp x tp ranks away)."""
+        return self._collective_fit(kind, group, cand, span)[:2]
+
+    def slice_terms(self, kind: str, group: int, cand: Candidate) -> tuple[float, float]:
+        """(per_slice, at_none): what one collective adds for each second of one rank's compute
+        (alone) before it, and what the fit's latency holds of it at the slice it was timed
+        after (CollectiveFit.slice_s), so that after `c` seconds it adds per_slice x c - at_none.
+        Both 0 where nothing was measured (GPUs, link figures)."""
+        return self._collective_fit(kind, group, cand, None)[2:]
+
+    def _collective_fit(self, kind: str, group: int, cand: Candidate, span: int | None) -> tuple[float, float, float, float]:
         if group <= 1:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         key = ("collective", kind, group, span, cand.num_micro_batches * cand.virtual_stages, cand.pp, cand.world_size)
         if key not in self._cache:                 # what it depends on (busy_ranks' key with the group's)
-            self._cache[key] = self._collective_terms(kind, group, cand, span)
+            self._cache[key] = self._fit_terms(kind, group, cand, span)
         return self._cache[key]
 
-    def _collective_terms(self, kind: str, group: int, cand: Candidate, span: int | None) -> tuple[float, float]:
+    def _fit_terms(self, kind: str, group: int, cand: Candidate, span: int | None) -> tuple[float, float, float, float]:
         if self.hw.device_type == "cpu" and self.hw.collectives:
             # Each fit was measured with a number of processes busy; a pipeline keeps fewer busy
             # some of the step (busy_ranks), as compute_scale counts: the mean over the slots
@@ -427,23 +451,30 @@ class CostModel:
             # whose TP collectives then cost 2 ranks' figures 2 slots in 5, +42% -> +28% at worst).
             fits = [self.hw.collective(kind, group, max(group, busy)) for busy in self.busy_ranks(cand)]
             if all(fits):
-                return (sum(f.latency_s for f in fits) / len(fits), sum(1.0 / f.bandwidth for f in fits) / len(fits))
+                n = len(fits)
+                return (sum(f.latency_s for f in fits) / n, sum(1.0 / f.bandwidth for f in fits) / n,
+                        sum(f.per_slice_s for f in fits) / n, sum(f.per_slice_s * f.slice_s for f in fits) / n)
         fit = self.hw.collective(kind, group, min(cand.world_size, self.gpus_per_node))
         if fit is not None:
-            return fit.latency_s, 1.0 / fit.bandwidth
+            return fit.latency_s, 1.0 / fit.bandwidth, fit.per_slice_s, fit.per_slice_s * fit.slice_s
         bw, lat = self._link(span or group)
         if kind == "all_reduce":
-            return 2 * (group - 1) * lat, 2 * (group - 1) / group / bw
+            return 2 * (group - 1) * lat, 2 * (group - 1) / group / bw, 0.0, 0.0
         if kind in ("all_gather", "reduce_scatter"):
-            return (group - 1) * lat, (group - 1) / group / bw
-        return lat, 1.0 / bw                   # broadcast (pipelined), send/receive
+            return (group - 1) * lat, (group - 1) / group / bw, 0.0, 0.0
+        return lat, 1.0 / bw, 0.0, 0.0         # broadcast (pipelined), send/receive
 
     def collective_s(self, kind: str, nbytes: float, group: int, cand: Candidate, count: int = 1,
-                     span: int | None = None) -> float:
-        """`count` collectives moving `nbytes` in all (each nbytes / count)."""
+                     span: int | None = None, after_s: float | None = None) -> float:
+        """`count` collectives moving `nbytes` in all (each nbytes / count), each after `after_s`
+        of one rank's compute (alone) where that is known (a layer's collectives within its
+        micro-batch), else as the fit was timed (slice_terms)."""
         if group <= 1 or nbytes <= 0 or count <= 0:
             return 0.0
         lat, per_byte = self.collective_terms(kind, group, cand, span)
+        if after_s is not None:
+            per_slice, at_none = self.slice_terms(kind, group, cand)
+            lat = max(0.0, lat + per_slice * after_s - at_none)
         return count * lat + nbytes * per_byte
 
     def exposed_s(self, comm: float, window: float) -> float:

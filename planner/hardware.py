@@ -129,6 +129,12 @@ class CollectiveFit:
     latency_s: float
     bandwidth: float         # bytes/s of nbytes
     max_residual: float = 0.0  # worst relative miss of the fit over the measured sizes
+    # Ranks reach a collective unevenly after the compute before it, the more so the longer
+    # that compute (CPU processes taking turns on shared cores): the fit was timed after
+    # `slice_s` of one rank's compute (its time alone), and the collective adds `per_slice_s`
+    # seconds for each second more of compute before it (less for less). 0: not measured.
+    slice_s: float = 0.0
+    per_slice_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
@@ -137,7 +143,7 @@ class CollectiveFit:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise HardwareError(f"collective {self.kind} has {name} = {v!r}; give a positive integer.")
-        for name in ("latency_s", "bandwidth", "max_residual"):
+        for name in ("latency_s", "bandwidth", "max_residual", "slice_s", "per_slice_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (name == "bandwidth" and v == 0):
@@ -686,20 +692,24 @@ _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM with AVX-512 BF1
 # turn); fit latency + bytes / bandwidth over 1 KiB..8 MiB, each field the median of the three
 # runs, the worst relative miss the largest of theirs. The three runs' latencies were within
 # 5-25% of one another (all-reduce over 4: 6.15, 6.73, 6.53 ms). 4 processes on 2 cores pay
-# several ms per collective.
+# several ms per collective. The slices those were timed after (2.5 ms of one core alone) and
+# what a collective adds for each second more of compute before it (the last two figures;
+# broadcasts and sends are timed back to back): a 64 KiB all-reduce after 0.3, 2.5 and 10 ms,
+# the median slope of three runs on 2026-12-07 (over 4 of 4: 0.33, 0.44, 0.41; 2 of 4: 0.23,
+# 0.17, 0.30; 2 of 2, where the two processes have a core each: 0.15, 0.08, 0.06).
 _CPU_COLLECTIVES = (
-    CollectiveFit("all_gather", 2, 2, 0.001173, 2.095e+09, 0.36),
-    CollectiveFit("all_gather", 2, 4, 0.002279, 1.387e+09, 0.11),
-    CollectiveFit("all_gather", 4, 4, 0.004705, 1.732e+09, 0.11),
-    CollectiveFit("all_reduce", 2, 2, 0.001703, 1.587e+09, 0.24),
-    CollectiveFit("all_reduce", 2, 4, 0.003241, 1.211e+09, 0.22),
-    CollectiveFit("all_reduce", 4, 4, 0.006534, 1.108e+09, 0.10),
+    CollectiveFit("all_gather", 2, 2, 0.001173, 2.095e+09, 0.36, 0.00248, 0.080),
+    CollectiveFit("all_gather", 2, 4, 0.002279, 1.387e+09, 0.11, 0.00251, 0.225),
+    CollectiveFit("all_gather", 4, 4, 0.004705, 1.732e+09, 0.11, 0.00249, 0.405),
+    CollectiveFit("all_reduce", 2, 2, 0.001703, 1.587e+09, 0.24, 0.00248, 0.080),
+    CollectiveFit("all_reduce", 2, 4, 0.003241, 1.211e+09, 0.22, 0.00251, 0.225),
+    CollectiveFit("all_reduce", 4, 4, 0.006534, 1.108e+09, 0.10, 0.00249, 0.405),
     CollectiveFit("broadcast", 2, 2, 0.0001005, 4.109e+09, 0.40),
     CollectiveFit("broadcast", 2, 4, 0.0003442, 2.815e+09, 0.39),
     CollectiveFit("broadcast", 4, 4, 0.0005985, 1.549e+09, 0.17),
-    CollectiveFit("reduce_scatter", 2, 2, 0.001942, 1.301e+09, 0.30),
-    CollectiveFit("reduce_scatter", 2, 4, 0.002758, 9.361e+08, 0.17),
-    CollectiveFit("reduce_scatter", 4, 4, 0.006367, 8.815e+08, 0.10),
+    CollectiveFit("reduce_scatter", 2, 2, 0.001942, 1.301e+09, 0.30, 0.00248, 0.080),
+    CollectiveFit("reduce_scatter", 2, 4, 0.002758, 9.361e+08, 0.17, 0.00251, 0.225),
+    CollectiveFit("reduce_scatter", 4, 4, 0.006367, 8.815e+08, 0.10, 0.00249, 0.405),
     CollectiveFit("send_recv", 2, 2, 7.486e-05, 3.439e+09, 0.44),
     CollectiveFit("send_recv", 2, 4, 0.0008089, 2.616e+09, 0.68),
 )

@@ -45,6 +45,15 @@ SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 23)   # bytes of the 
 # 2-core machine (worst misses of the fit 35-83%), in chains of 32 0.78 and 0.67 ms (19%), where
 # the ZeRO-1 steps of bench/time_fidelity.py measured 0.6-0.8 ms a broadcast (2026-12-03).
 BACK_TO_BACK = 32
+# The compute before each collective timed in a step: 256^3 fp32 matmuls, 8 of them about 2.6
+# ms of one core alone on the 2-core VM. What a collective adds is also timed after slices of
+# SLICES matmuls (2026-12-07, 4 processes: a 64 KiB all-reduce over 4 added 5.2 ms after 1,
+# 6.9 after 8 and 11.7 after 64; over 2 of them 2.6, 3.4 and 6.5 ms).
+SLICE_MATMULS = 8
+SLICES = (1, SLICE_MATMULS, 32)
+SLICE_PROBE_BYTES = 1 << 16
+# Timed back to back, not after a slice of compute (see _collectives_worker).
+TIMED_ALONE = ("broadcast", "send_recv")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,10 +189,19 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
     a = torch.randn(256, 256, device=dev)
     b = torch.randn(256, 256, device=dev)
 
-    def compute():                      # about a millisecond of one CPU thread: a layer's slice
-        for _ in range(8 if device == "cpu" else 200):
+    def compute(matmuls: int = SLICE_MATMULS if device == "cpu" else 200):   # a layer's slice
+        for _ in range(matmuls):
             torch.mm(a, b)
         sync()
+
+    def alone_s(matmuls: int) -> float:
+        """One rank's slice of `matmuls` with the others waiting: the profile's kind of time."""
+        t = torch.zeros(1, dtype=torch.float64)
+        barrier()
+        if rank == 0:
+            t[0] = median_time(lambda: compute(matmuls), 5)
+        dist.broadcast(t, 0)
+        return t.item()
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those.
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -227,7 +245,7 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                 # that how unevenly ranks leave the barrier is spread as over ZeRO-1's hundreds.
                 # The others run between slices of a layer's compute, where they cost what they
                 # add to it, never less than alone (a chain of 4 for that floor).
-                timed_alone = kind in ("broadcast", "send_recv")
+                timed_alone = kind in TIMED_ALONE
                 alone = _time_in_step(op, lambda: None, barrier, repeats, rounds=BACK_TO_BACK if timed_alone else 4)
                 in_step = 0.0
                 if not timed_alone:
@@ -236,6 +254,19 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)            # the slowest rank's view is the cost
                 rows.append({"kind": kind, "group": g, "processes": world, "bytes": nbytes,
                              "seconds": max(t[0].item(), t[1].item())})
+        if device == "cpu":
+            # What a collective adds grows with the compute before it: ranks that take turns
+            # on shared cores finish a longer slice further apart. A 64 KiB all-reduce after
+            # slices of several lengths (CollectiveFit.per_slice_s; every kind of the group
+            # takes it, as it is the ranks' arrival, not the collective, that it times).
+            x = torch.ones(SLICE_PROBE_BYTES // 4, device=dev)
+            for matmuls in SLICES:
+                added = _added_in_step(lambda: dist.all_reduce(x, group=mine), lambda m=matmuls: compute(m),
+                                       barrier, 2 * repeats)
+                t = torch.tensor([added], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                rows.append({"kind": "slice", "group": g, "processes": world, "bytes": SLICE_PROBE_BYTES,
+                             "slice_s": alone_s(matmuls), "seconds": t.item(), "timed_after": matmuls == SLICE_MATMULS})
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -253,12 +284,25 @@ def measure_collectives(processes: int, device: str = "cpu", sizes: tuple[int, .
 
 
 def fit_collectives(rows: list[dict]) -> list[CollectiveFit]:
-    keys = sorted({(r["kind"], r["group"], r["processes"]) for r in rows})
+    """A fit per (kind, group, processes) of the size rows; with the "slice" rows of its group
+    and processes, the slice its collectives were timed after and the slope of what one adds
+    over the slice before it (least squares, never below 0; none for the kinds timed alone)."""
+    sized = [r for r in rows if r["kind"] != "slice"]
+    keys = sorted({(r["kind"], r["group"], r["processes"]) for r in sized})
     fits = []
     for kind, group, procs in keys:
-        pts = sorted((r["bytes"], r["seconds"]) for r in rows if (r["kind"], r["group"], r["processes"]) == (kind, group, procs))
+        pts = sorted((r["bytes"], r["seconds"]) for r in sized if (r["kind"], r["group"], r["processes"]) == (kind, group, procs))
         lat, bw, res = fit_latency_bandwidth([p[0] for p in pts], [p[1] for p in pts])
-        fits.append(CollectiveFit(kind, group, procs, lat, bw, res))
+        slices = [r for r in rows if r["kind"] == "slice" and (r["group"], r["processes"]) == (group, procs)]
+        timed_after = [r["slice_s"] for r in slices if r["timed_after"]]
+        slope = 0.0
+        if len(slices) >= 2 and timed_after and kind not in TIMED_ALONE:
+            xs, ys = [r["slice_s"] for r in slices], [r["seconds"] for r in slices]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            spread = sum((x - mx) ** 2 for x in xs)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread) if spread > 0 else 0.0
+        fits.append(CollectiveFit(kind, group, procs, lat, bw, res, slice_s=timed_after[0] if slope else 0.0,
+                                  per_slice_s=slope))
     return fits
 
 
@@ -620,7 +664,10 @@ def calibrate(device: str = "cpu", processes: tuple[int, ...] = (2, 4), base: st
 
 def fit_text(f: CollectiveFit) -> str:
     """One collective's fit as the calibration's notes print it."""
-    return f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s"
+    text = f"{f.kind} over {f.group} of {f.processes}: {f.latency_s * 1e6:.0f} us + bytes / {f.bandwidth / 1e9:.2f} GB/s"
+    if f.per_slice_s:
+        text += f", +{f.per_slice_s * 1e3:.0f} us per ms of compute before it over {f.slice_s * 1e3:.1f}"
+    return text
 
 
 def median_calibration(cals: list[Calibration]) -> Calibration:
@@ -649,7 +696,8 @@ def median_calibration(cals: list[Calibration]) -> Calibration:
     for key in keys:
         mine = [c for cal in cals for c in cal.hardware.collectives if (c.kind, c.group, c.processes) == key]
         fit = CollectiveFit(*key, statistics.median(c.latency_s for c in mine), statistics.median(c.bandwidth for c in mine),
-                            max(c.max_residual for c in mine))
+                            max(c.max_residual for c in mine), slice_s=statistics.median(c.slice_s for c in mine),
+                            per_slice_s=statistics.median(c.per_slice_s for c in mine))
         fits.append(fit)
         notes.append(f"{fit_text(fit)} (runs' latencies: " + ", ".join(f"{c.latency_s * 1e6:.0f}" for c in mine) + " us)")
     values["collectives"] = tuple(fits)

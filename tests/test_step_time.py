@@ -60,6 +60,23 @@ def test_fit_collectives_groups_by_kind_group_and_processes():
     assert fits["all_gather", 2].bandwidth == pytest.approx(1e9, rel=1e-6)
 
 
+def test_fit_collectives_finds_what_a_collective_adds_per_second_of_compute_before_it():
+    """The slice rows (a 64 KiB all-reduce after slices of several lengths) give every kind
+    timed after a slice their slope and the slice the sizes were timed after; the kinds timed
+    back to back (broadcast, send/receive) and groups without slice rows get none."""
+    rows = [{"kind": k, "group": g, "processes": 4, "bytes": x, "seconds": 1e-3 + x / 1e9}
+            for k in ("all_reduce", "broadcast") for g in (2, 4) for x in (1e3, 1e5, 1e7)]
+    rows += [{"kind": "slice", "group": 4, "processes": 4, "bytes": 65536, "slice_s": c, "seconds": 5e-3 + 0.25 * c,
+              "timed_after": c == 2.5e-3} for c in (0.3e-3, 2.5e-3, 10e-3)]
+    fits = {(f.kind, f.group): f for f in fit_collectives(rows)}
+    assert fits["all_reduce", 4].per_slice_s == pytest.approx(0.25) and fits["all_reduce", 4].slice_s == 2.5e-3
+    assert fits["all_reduce", 4].latency_s == pytest.approx(1e-3, rel=1e-6)      # the sizes' fit unchanged
+    assert (fits["broadcast", 4].per_slice_s, fits["all_reduce", 2].per_slice_s) == (0.0, 0.0)
+    # a slope read below 0 (noise) is taken as none
+    falling = [dict(r, seconds=9e-3 - 0.1 * r["slice_s"]) if r["kind"] == "slice" else r for r in rows]
+    assert {f.per_slice_s for f in fit_collectives(falling)} == {0.0}
+
+
 def test_matmul_fit_recovers_efficiency_and_knee():
     peak, eff, knee = 1000e12, 0.8, 128
     pts = [(d, d, d, peak * eff * (d / (d + knee)) ** 3) for d in (256, 512, 1024, 4096, 8192)]
@@ -113,7 +130,8 @@ def test_no_op_beats_the_table():
 
 
 def test_cluster_file_round_trips_the_calibration(tmp_path):
-    fits = (CollectiveFit("all_reduce", 2, 2, 1e-4, 2e9, 0.1), CollectiveFit("send_recv", 2, 4, 3e-4, 1e9, 0.2))
+    fits = (CollectiveFit("all_reduce", 2, 2, 1e-4, 2e9, 0.1, slice_s=2.5e-3, per_slice_s=0.22),
+            CollectiveFit("send_recv", 2, 4, 3e-4, 1e9, 0.2))
     hw = dataclasses.replace(PRESETS["cpu"], name="cpu-calibrated", host_cores=1.5, collectives=fits,
                              sources={**PRESETS["cpu"].sources, "host_cores": "measured here"})
     path = tmp_path / "cluster.toml"
@@ -153,6 +171,30 @@ def test_cpu_collectives_cost_the_fit_for_the_ranks_each_slot_keeps_busy():
     assert per_byte == pytest.approx((2 / 2e9 + 3 / 1e9) / 5)
     lat, per_byte = model.collective_terms("all_reduce", 2, Candidate(2, 2, 1, 1, 4, 0, "1f1b", True, False))
     assert (lat, per_byte) == (pytest.approx(4e-3), pytest.approx(1 / 1e9))
+
+
+def test_a_collective_in_a_micro_batch_costs_more_the_longer_ranks_computed_before_it():
+    """A fit timed after 2.5 ms of compute, adding 0.25 s a second of compute before it: a
+    collective after 1 ms costs 0.375 ms less, one whose slice is unknown the fit as timed. A
+    TP layer's collectives come every (forward + backward) / count of its compute, so the
+    layer's TP time moves by 0.25 x (its compute - count x 2.5 ms) from the fit's; the step's
+    gradient all-reduce (replicate's) keeps the fit."""
+    prof = add_tensor_parallel_samples(random.Random(3), tiny_profile())
+    timed = CollectiveFit("all_reduce", 2, 4, 3e-3, 1e9)
+    sliced = dataclasses.replace(timed, slice_s=2.5e-3, per_slice_s=0.25)
+    plain, model = (CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=(f,)), 8, 1 << 40)
+                    for f in (timed, sliced))
+    cand = Candidate(2, 2, 1, 1, 4, 0, "1f1b", True, False)         # dp 2 x tp 2: 4 ranks busy
+    assert model.collective_s("all_reduce", 1e6, 2, cand, after_s=1e-3) == pytest.approx(3e-3 - 0.375e-3 + 1e6 / 1e9)
+    assert model.collective_s("all_reduce", 1e6, 2, cand) == plain.collective_s("all_reduce", 1e6, 2, cand)
+    assert model.collective_s("all_reduce", 1e6, 2, cand, after_s=0.0) >= 0.0
+    for i in range(prof.n_layers):
+        s = model.sample(i, cand)
+        count = s.tp_fwd_comm_count + s.tp_bwd_comm_count
+        alone = s.fwd_s + s.bwd_s
+        moved = model.layer(cand, i, False, False).tp_comm_s - plain.layer(cand, i, False, False).tp_comm_s
+        assert count > 0 and moved == pytest.approx(0.25 * (alone - count * 2.5e-3))
+        assert model.layer(cand, i, False, False).sync_s == plain.layer(cand, i, False, False).sync_s
 
 
 def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_backward():
@@ -458,7 +500,11 @@ def test_fsdp_hooks_and_copies_are_reported_as_dp_comm():
     the optimizer to dp_comm."""
     prof = tiny_profile()
     stages = [[(i, "none", False) for i in range(prof.n_layers)]]
-    hw = dataclasses.replace(PRESETS["cpu"], host_cores=8.0)
+    # The fits as timed: hooks also lengthen the work before each FSDP2 collective, which
+    # test_a_collective_in_a_micro_batch_costs_more_the_longer_ranks_computed_before_it covers.
+    cpu = PRESETS["cpu"]
+    hw = dataclasses.replace(cpu, host_cores=8.0,
+                             collectives=tuple(dataclasses.replace(c, per_slice_s=0.0) for c in cpu.collectives))
     for zero in (0, 3):
         cand = Candidate(2, 1, 1, 1, 2, zero, "1f1b", True, False)
         bare = CostModel(prof, hw, 8, 1 << 40).evaluate(cand, stages)
@@ -514,11 +560,16 @@ def test_several_calibrations_make_one_of_their_medians():
 
 def test_collectives_are_measured_for_every_kind_in_real_processes():
     """Two gloo processes: every kind at every size, each positive, 16 MiB slower than a KiB.
-    (At 1 MiB the two sums were within a busy machine's noise, and the check failed now and then.)"""
+    (At 1 MiB the two sums were within a busy machine's noise, and the check failed now and then.)
+    And the all-reduce after each of the slices, each slice timed alone, the longest longest."""
     pytest.importorskip("torch")
-    from profiles.calibrate import measure_collectives
+    from profiles.calibrate import SLICES, measure_collectives
     big = 16 << 20
     rows = measure_collectives(2, sizes=(1 << 10, big), repeats=3)
+    slices = [r for r in rows if r["kind"] == "slice"]
+    assert len(slices) == len(SLICES) and sum(r["timed_after"] for r in slices) == 1
+    assert all(r["seconds"] > 0 for r in slices) and max(slices, key=lambda r: r["slice_s"]) == slices[-1]
+    rows = [r for r in rows if r["kind"] != "slice"]
     got = {(r["kind"], r["bytes"]): r["seconds"] for r in rows}
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
     assert set(got) == {(k, b) for k in kinds for b in (1 << 10, big)}
