@@ -375,9 +375,11 @@ def solve(
         fail(str(e))
     print_top(result, limit_bytes, hw.device_type, wide)
     print_plan(plan, wide)
-    out.print(f"{result.candidates} layouts, {result.free_solved + result.milps} MILPs ({result.solved} solved within "
-              f"the memory limit): {result.pruned} ruled out as slower than "
-              f"the top {top} (by a bound or when solved), {result.infeasible} as not fitting.")
+    # A memory-free MILP whose fastest layout fits needs no second one with the memory rows.
+    out.print(f"{result.candidates} layouts, {result.free_solved + result.milps} MILPs ({result.free_solved} without "
+              f"the memory limit, {result.free_fits} of whose fastest layouts fit; {result.milps} with it): "
+              f"{result.pruned} ruled out as slower than the top {top} (by a bound or when solved), "
+              f"{result.infeasible} as not fitting.")
     for note in result.notes:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     out.print(f"wrote [bold]{escape(str(output))}[/]; run it with:\n  {escape(plan.launch)}", highlight=False)

@@ -105,7 +105,7 @@ def explain_no_fit(profile: Profile, opts: SolveOptions, result: SearchResult, m
         if pred.host_limit is not None and pred.host_peak_bytes > pred.host_limit:
             lines.append(f"The layout that needs the least memory per {rank} ({layout}) offloads {format_size(pred.host_peak_bytes)} "
                          f"of model states to the host memory of one node, more than the {format_size(pred.host_limit)} "
-                         f"plans may use there ({HOST_USABLE_FRACTION:.0%} of host_memory_bytes); more GPUs share them out.")
+                         f"plans may use there ({HOST_USABLE_FRACTION:.0%} of host_memory_bytes); over more nodes each holds less of them.")
     for factor in (2, 4, 8):
         more = SolveOptions(**{**opts.__dict__, "gpus": opts.gpus * factor, "top_k": 1,
                                "dp": None, "global_batch": opts.batch})
