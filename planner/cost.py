@@ -389,10 +389,13 @@ class CostModel:
         if zero1 and d > 1:
             # The sharded optimizer broadcasts the layer's chunks from each of their d owners,
             # packed (d broadcasts moving the layer's parameters in all), and each rank copies
-            # them in and out of the packed buffers (read and written once each).
+            # them in and out of the packed buffers: a calibrated fit holds those copies (plan
+            # calibrate times the runtime's broadcast_packed), the link model reads and writes
+            # them once each.
             full_bytes = full_numel * self.store_isz
-            step_s += (self.collective_s("broadcast", full_bytes, d, cand, count=d, span=d * t)
-                       + 2 * full_bytes / self.hw.memory_bandwidth())
+            step_s += self.collective_s("broadcast", full_bytes, d, cand, count=d, span=d * t)
+            if self.hw.collective("broadcast", d, d * t) is None:
+                step_s += 2 * full_bytes / self.hw.memory_bandwidth()
         return LayerCost(mem, compute, comm, offload_s, step_s, sync, s.fwd_flops + s.bwd_flops, tp_comm,
                          forward_s=fwd_s * scale, recompute_s=recompute * scale, fsdp_hooks_s=hooks * scale,
                          fsdp_sync_copies_s=sync_copies, tp_grad_sync_s=tp_grad_sync)

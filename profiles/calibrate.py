@@ -8,8 +8,9 @@ them:
   message size, for every group size that divides the process count, with every process
   busy at once (groups side by side, as under a plan), each timed as in a step: what it adds
   to a slice of compute before it, never less than it takes alone (broadcasts, which ZeRO-1
-  issues back to back after the optimizer step from each rank in turn, and the pipeline's
-  asynchronous sends: alone), by the slowest rank;
+  issues back to back after the optimizer step from each rank in turn, packing and unpacking
+  a layer's chunks as it does, and the pipeline's asynchronous sends: alone), by the slowest
+  rank;
   each kind and group size is fitted as latency + bytes / bandwidth, with its worst residual;
 - on CPU processes: one thread's matmul, copy and fused-AdamW rates, and how many processes
   the cores run at full speed at once (`host_cores`, from layer-like work run alone and in
@@ -54,6 +55,9 @@ SLICES = (1, SLICE_MATMULS, 32)
 SLICE_PROBE_BYTES = 1 << 16
 # Timed back to back, not after a slice of compute (see _collectives_worker).
 TIMED_ALONE = ("broadcast", "send_recv")
+# A broadcast is timed on a tensor in this many parts, packed and unpacked as ZeRO-1 packs a
+# layer's parameters' chunks (the examples' layers hold 2-16 parameters).
+BROADCAST_PARTS = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +170,8 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
     import torch
     import torch.distributed as dist
 
+    from runtime.sharded_optimizer import broadcast_packed
+
     if device == "cpu":
         torch.set_num_threads(1)
         keep_freed_memory()
@@ -228,8 +234,13 @@ def _collectives_worker(rank: int, world: int, port: int, device: str, sizes: tu
                     # From each rank in turn, as ZeRO-1 broadcasts a layer's packed chunks from their
                     # owners: 4 gloo processes on the 2-core VM took 0.85-1.0 ms a 1 KiB broadcast
                     # from one root and 0.3-0.75 ms from roots in turn (chains of 276, 2026-12-06).
+                    # Packed and unpacked as the runtime does (broadcast_packed): the GPT's and the
+                    # MLP's 24 and 40 broadcasts of a ZeRO-1 step took 0.93 and 1.10 ms each so, 0.69
+                    # and 0.77 ms bare (the same sizes, 4 processes, 2026-12-07), and the bench's
+                    # ZeRO-1 steps spent 2-3x their bare fit in them.
                     roots = itertools.cycle(range(g))
-                    fn = lambda: dist.broadcast(whole, group=mine, group_src=next(roots))      # noqa: E731
+                    parts = list(whole.chunk(BROADCAST_PARTS))
+                    fn = lambda: broadcast_packed(parts, next(roots), me, mine)               # noqa: E731
                 elif me == 0:
                     fn = lambda: dist.send(whole, group=mine, group_dst=1)                     # noqa: E731
                 else:

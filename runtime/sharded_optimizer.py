@@ -46,6 +46,19 @@ def chunk_bounds(numel: int, dp: int) -> list[tuple[int, int]]:
     return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(dp)]
 
 
+def broadcast_packed(chunks: list[torch.Tensor], owner: int, me: int, group) -> None:
+    """The owner's `chunks` (tensors of one dtype) into every rank's, over `group`: one broadcast
+    of them packed end to end, the owner packing, the others unpacking. plan calibrate times
+    broadcasts with this, so that its fit holds what a ZeRO-1 step pays around each one."""
+    if owner == me:
+        dist.broadcast(torch.cat(chunks), group=group, group_src=owner)
+        return
+    packed = torch.empty(sum(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    dist.broadcast(packed, group=group, group_src=owner)
+    for c, part in zip(chunks, packed.split([c.numel() for c in chunks])):
+        c.copy_(part)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -125,15 +138,8 @@ class ShardedOptimizer:
             of_dtype = [(f, chunk_bounds(f.numel(), dp)) for f in flats if f.dtype == dtype]
             for owner in range(dp):
                 chunks = [f[lo:hi] for f, bounds in of_dtype for lo, hi in [bounds[owner]] if hi > lo]
-                if not chunks:
-                    continue
-                if owner == self.me:
-                    dist.broadcast(torch.cat(chunks), group=self.group, group_src=owner)
-                    continue
-                packed = torch.empty(sum(c.numel() for c in chunks), dtype=dtype, device=chunks[0].device)
-                dist.broadcast(packed, group=self.group, group_src=owner)
-                for c, part in zip(chunks, packed.split([c.numel() for c in chunks])):
-                    c.copy_(part)
+                if chunks:
+                    broadcast_packed(chunks, owner, self.me, self.group)
 
     def zero_grad(self) -> None:
         """Drop every gradient (set_to_none), the aliases' too, so that none outlives the step."""

@@ -157,6 +157,25 @@ def test_cost_model_uses_calibrated_collectives_where_it_has_them():
     assert layer.sync_s == pytest.approx(7e-3 + prof.layers[1].param_count * 4 / 1e8)
 
 
+def test_zero1_broadcasts_cost_the_calibrated_fit_which_holds_their_packing():
+    """A ZeRO-1 layer's step adds dp broadcasts of its parameters' chunks from their owners. plan
+    calibrate times them packed and unpacked as the runtime does (broadcast_packed), so with a
+    calibrated fit that is all it adds; on the link model the copies in and out of the packed
+    buffers are added at the memory's rate."""
+    prof = tiny_profile()
+    fit = CollectiveFit("broadcast", 4, 4, 1e-3, 1e9)
+    calibrated = CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=(fit,)), 8, 1 << 40)
+    link = CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=()), 8, 1 << 40)
+    zero0, zero1 = (Candidate(4, 1, 1, 1, 1, z, "1f1b", True, False) for z in (0, 1))
+    for i in range(prof.n_layers):
+        full_bytes = prof.layers[i].param_count * calibrated.store_isz
+        # the two models differ in their broadcasts only: the same step without ZeRO-1
+        assert calibrated.layer(zero0, i, False, False).step_s == link.layer(zero0, i, False, False).step_s
+        on_link = link.collective_s("broadcast", full_bytes, 4, zero1, count=4) + 2 * full_bytes / link.hw.memory_bandwidth()
+        moved = calibrated.layer(zero1, i, False, False).step_s - link.layer(zero1, i, False, False).step_s
+        assert moved == pytest.approx(4 * 1e-3 + full_bytes / 1e9 - on_link)
+
+
 def test_cpu_collectives_cost_the_fit_for_the_ranks_each_slot_keeps_busy():
     """A pipeline keeps fewer ranks busy in its first and last slots: pp 2 x tp 2 with 4
     micro-batches has 2, 4, 4, 4, 2 busy ranks, so a TP all-reduce costs the 2-process fit in
