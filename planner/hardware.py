@@ -696,7 +696,10 @@ _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM with AVX-512 BF1
 # what a collective adds for each second more of compute before it (the last two figures;
 # broadcasts and sends are timed back to back): a 64 KiB all-reduce after 0.3, 2.5 and 10 ms,
 # the median slope of three runs on 2026-12-07 (over 4 of 4: 0.33, 0.44, 0.41; 2 of 4: 0.23,
-# 0.17, 0.30; 2 of 2, where the two processes have a core each: 0.15, 0.08, 0.06).
+# 0.17, 0.30; 2 of 2, where the two processes have a core each: 0.15, 0.08, 0.06). The
+# broadcasts are a later calibration's (2026-12-07, stop 51, the medians of its three runs, in
+# bench/results/time_fidelity_runs/cluster.toml), timed packed and unpacked as ZeRO-1 issues
+# them (runtime.sharded_optimizer.broadcast_packed): over 4 of 4 0.73 ms, where bare it was 0.60.
 _CPU_COLLECTIVES = (
     CollectiveFit("all_gather", 2, 2, 0.001173, 2.095e+09, 0.36, 0.00248, 0.080),
     CollectiveFit("all_gather", 2, 4, 0.002279, 1.387e+09, 0.11, 0.00251, 0.225),
@@ -704,9 +707,9 @@ _CPU_COLLECTIVES = (
     CollectiveFit("all_reduce", 2, 2, 0.001703, 1.587e+09, 0.24, 0.00248, 0.080),
     CollectiveFit("all_reduce", 2, 4, 0.003241, 1.211e+09, 0.22, 0.00251, 0.225),
     CollectiveFit("all_reduce", 4, 4, 0.006534, 1.108e+09, 0.10, 0.00249, 0.405),
-    CollectiveFit("broadcast", 2, 2, 0.0001005, 4.109e+09, 0.40),
-    CollectiveFit("broadcast", 2, 4, 0.0003442, 2.815e+09, 0.39),
-    CollectiveFit("broadcast", 4, 4, 0.0005985, 1.549e+09, 0.17),
+    CollectiveFit("broadcast", 2, 2, 0.0001417, 2.885e+09, 0.45),
+    CollectiveFit("broadcast", 2, 4, 0.0005062, 1.975e+09, 0.22),
+    CollectiveFit("broadcast", 4, 4, 0.0007264, 1.215e+09, 0.27),
     CollectiveFit("reduce_scatter", 2, 2, 0.001942, 1.301e+09, 0.30, 0.00248, 0.080),
     CollectiveFit("reduce_scatter", 2, 4, 0.002758, 9.361e+08, 0.17, 0.00251, 0.225),
     CollectiveFit("reduce_scatter", 4, 4, 0.006367, 8.815e+08, 0.10, 0.00249, 0.405),
