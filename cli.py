@@ -599,7 +599,8 @@ def verify(
         whole = (step[0], profiled.breakdown_step_s) if profiled.breakdown_step_s else None
         out.print(display.time_check_table(time_rows, time_rank, whole))
         if whole:
-            out.print(display.profiled_step_line(profiled.breakdown_step_s, profiled.median_step_s), highlight=False)
+            out.print(display.profiled_step_line(profiled.breakdown_step_s, profiled.median_step_s, run_doc.profiled_steps),
+                      highlight=False)
         if plan.device_type == "cpu":
             out.print("On CPU processes sharing cores, a rank waiting for a core mostly shows as waiting in a collective.")
         else:

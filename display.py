@@ -226,12 +226,14 @@ def time_check_table(rows, rank: int, step: tuple[float, float] | None = None) -
     return titled(title, t)
 
 
-def profiled_step_line(profiled_s: float, median_s: float) -> str:
-    """How far the profiled step (torch.profiler on) is from the same rank's timed steps."""
+def profiled_step_line(profiled_s: float, median_s: float, profiled: int = 1) -> str:
+    """How far the profiled step (torch.profiler on; of `profiled`, the one of median wall time)
+    is from the same rank's timed steps."""
+    which = f"The profiled step of median time (of {profiled})" if profiled > 1 else "The profiled step"
     ratio = profiled_s / median_s
     if abs(ratio - 1) <= 0.05:
-        return f"The profiled step took {profiled_s:.4f} s, within 5% of that rank's median timed step."
-    return (f"The profiled step took {profiled_s:.4f} s, {ratio:.2f}x that rank's median timed step "
+        return f"{which} took {profiled_s:.4f} s, within 5% of that rank's median timed step."
+    return (f"{which} took {profiled_s:.4f} s, {ratio:.2f}x that rank's median timed step "
             f"({median_s:.4f} s): its parts carry torch.profiler's overhead and this machine's noise.")
 
 

@@ -33,7 +33,7 @@ class RankReport:
     step_times_s: list[float]                          # every step's wall time
     median_step_s: float                               # the median of its timed steps (step_roles)
     threads: int = 1                                   # intra-op threads this rank ran with
-    breakdown_s: dict[str, float] | None = None        # the profiled last step by component (runtime/breakdown.py)
+    breakdown_s: dict[str, float] | None = None        # a profiled step by component, that of median wall time (runtime/breakdown.py)
     breakdown_step_s: float = 0.0                      # that step's wall time under the profiler
     reserved_bytes: int = 0                            # CUDA: the allocator's most reserved over the run (max_memory_reserved); 0 on CPU
     cpu_times_s: list[float] = field(default_factory=list)  # every step's CPU time of the rank's process, all its threads ([]: not recorded)
@@ -55,6 +55,7 @@ class RunReport:
     checkpoint: str = ""       # the last checkpoint this launch wrote ("" if none)
     mfu: float = 0.0           # the plan's model FLOPs per step over the hardware's peak at the measured step (0: the plan predicts none)
     host_cpus: int = 0         # CPUs rank 0's machine has (os.cpu_count(); 0: not recorded)
+    profiled_steps: int = 1    # how many of the last steps ran under the profiler (step_roles; documents before 2026-12-07 profiled one)
     schema: int = RUN_SCHEMA_VERSION
     kind: str = "run"
 
@@ -101,7 +102,12 @@ class RunReport:
 
     def _timed_steps_s(self) -> list[float]:
         """Each timed step's time (its slowest rank's), in order."""
-        return [self._slowest_s(i) for i in step_roles(self.steps)[2]]
+        return [self._slowest_s(i) for i in self.timed_steps]
+
+    @property
+    def timed_steps(self) -> list[int]:
+        """The indices of the steps that time the step (step_roles, as this run profiled)."""
+        return step_roles(self.steps, self.profiled_steps)[2]
 
     def _slowest_s(self, i: int) -> float:
         """Step i's time: its slowest rank's (every rank starts it at once)."""
@@ -117,7 +123,7 @@ class RunReport:
         if not all(r.cpu_times_s for r in self.ranks):
             return None
         return statistics.median(sum(r.cpu_times_s[i] for r in self.ranks) / self._slowest_s(i)
-                                 for i in step_roles(self.steps)[2])
+                                 for i in self.timed_steps)
 
     @property
     def samples_per_s(self) -> float:
@@ -138,8 +144,10 @@ class RunReport:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} is {getattr(self, name)!r}, not text")
         whole("steps", self.steps, 1)
-        for name in ("first_step", "global_batch", "tokens_per_sample", "host_cpus"):
+        for name in ("first_step", "global_batch", "tokens_per_sample", "host_cpus", "profiled_steps"):
             whole(name, getattr(self, name))
+        if self.steps >= 4 and not 1 <= self.profiled_steps <= self.steps - 3:   # warm-up, memory, a timed step
+            raise ValueError(f"{self.profiled_steps} profiled steps of {self.steps}")
         if not isinstance(self.mfu, (int, float)) or isinstance(self.mfu, bool) or not 0 <= self.mfu:
             raise ValueError(f"mfu is {self.mfu!r}")
         if not isinstance(self.checkpoint, str):
@@ -164,16 +172,30 @@ class RunReport:
                 raise ValueError(f"rank {r.rank}'s breakdown_s is not seconds by component")
 
 
-def step_roles(n: int) -> tuple[int, int | None, list[int]]:
+# From this many steps a launch profiles its last PROFILED_STEPS steps, not only its last, and
+# its breakdown is the one of median wall time among them: a single profiled step took 1.10-1.12x
+# the run's timed median at the median over the kept runs of bench/time_fidelity.py, but up to
+# 1.8x and 2-3x in some (docs/runtime.md), and its parts then carried that step's noise.
+PROFILE_SEVERAL_FROM, PROFILED_STEPS = 12, 3
+
+
+def profiled_count(n: int) -> int:
+    """How many of a launch's n steps, its last, run under the profiler: PROFILED_STEPS from
+    PROFILE_SEVERAL_FROM steps, one from 4, none with fewer."""
+    return PROFILED_STEPS if n >= PROFILE_SEVERAL_FROM else 1 if n >= 4 else 0
+
+
+def step_roles(n: int, profiled: int | None = None) -> tuple[int, list[int], list[int]]:
     """What each of a launch's n steps (counted from 0) is for, the one rule the runtime runs by
-    and a run document is read by: (the step that measures memory, the step under the profiler
-    (None for fewer than 4), the steps that time the step). The first warms up, the second
-    measures memory, the last runs under the profiler, so 2..n-2 are timed; with fewer steps,
-    what there is."""
+    and a run document is read by: (the step that measures memory, the steps under the
+    profiler, the steps that time the step). The first warms up, the second measures memory,
+    the last `profiled` (profiled_count(n) unless told; a run document says how many it ran)
+    run under the profiler, and the ones between are timed; with fewer steps, what there is."""
+    profiled = profiled_count(n) if profiled is None else profiled
     measured = min(1, n - 1)
-    profiled = n - 1 if n >= 4 else None
-    timed = [i for i in range(2, n) if i != profiled] or [n - 1]
-    return measured, profiled, timed
+    under = list(range(n - profiled, n)) if n >= 4 else []
+    timed = [i for i in range(2, n) if i not in under] or [n - 1]
+    return measured, under, timed
 
 
 def load_run(path: str | Path) -> RunReport:

@@ -25,7 +25,7 @@ from rich.console import Console
 
 from display import run_summary, run_table
 from planner.plan import Plan, PlanError, load_plan
-from planner.run_report import RankReport, RunReport
+from planner.run_report import RankReport, RunReport, profiled_count
 from profiles.allocator import keep_freed_memory
 from profiles.model_file import ModelFileError, ModelSpec, load_spec
 
@@ -348,7 +348,7 @@ def train_and_report(args: argparse.Namespace, plan: Plan, spec: ModelSpec, mode
                         world_size=plan.world_size, steps=args.steps - start, losses=losses, device=device_name(plan),
                         torch_version=torch.__version__, ranks=reports, first_step=start, global_batch=plan.global_batch,
                         tokens_per_sample=trainer.tokens_per_sample, checkpoint=str(trainer.saved or ""),
-                        host_cpus=os.cpu_count() or 0)
+                        host_cpus=os.cpu_count() or 0, profiled_steps=profiled_count(args.steps - start))
         run.mfu = measured_mfu(plan, run.step_s)
         run.validate()                   # what verify will check: a bug here, not a bad run document
         run.save(args.out)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 
 DEFAULT_TIMEOUT_S = 300.0   # a collective's wait for the other ranks (torch's default, 30 min, hides a hang)
-# Steps a run takes unless told: 1 warms up, 1 measures memory, 17 are timed, 1 is profiled
-# (run_report.step_roles). Six (3 timed) read the README demo's step 5-20% slow in 6 of 8
+# Steps a run takes unless told: 1 warms up, 1 measures memory, 15 are timed, 3 are profiled
+# (run_report.step_roles; 17 and 1 until 2026-12-07). Six (3 timed) read the README demo's step 5-20% slow in 6 of 8
 # runs: its steps 3-5 take longer than the ones after (median over a run's steps 3-5 against
 # its steps 6-19: 134/122, 125/113, 125/116, 136/116, 140/120, 131/124, 118/117 and
 # 113/114 ms), so six-step runs measured 116-136 ms where twenty-step runs measured

@@ -10,8 +10,9 @@ Measurements count from the launch's first step (a resumed run measures its own 
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
 alive that the step uses. Every step starts on all ranks at once (_start_together); a rank's step
 time is the median wall time of its steps 3..S-1, the run's the median of their slowest rank's
-(RunReport.step_s); with S >= 4 the last step runs under torch.profiler and gives the step's
-time by component (breakdown.py), so it is left out of the median.
+(RunReport.step_s); with S >= 4 the last step (the last 3 with S >= 12) runs under
+torch.profiler and gives the step's time by component (breakdown.py; of several, the one of
+median wall time), so they are left out of the median.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class Trainer:
         p, plan = self.parallel, self.parallel.plan
         n = steps - start
         measured, profiled, timed_steps = step_roles(n)
-        losses, times, cpu_times, peak, breakdown = [], [], [], 0, None
+        losses, times, cpu_times, peak, breakdowns = [], [], [], 0, []
         for k, step in enumerate(range(start, steps)):
             torch.manual_seed(plan.seed + 1 + step)
             inputs, targets = (t.to(p.device) for t in self.source.batch(step, p.dp_rank))
@@ -182,10 +183,11 @@ class Trainer:
                 on_start(step)
             self._start_together()
             cpu0 = time.process_time()
-            if k == profiled:
+            if k in profiled:
                 out: list = []
-                breakdown, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize,
-                                                  on_gpu=p.device.type == "cuda")
+                parts, wall = profile_step(lambda: out.append(p.train_step(inputs, targets, **args)), self._synchronize,
+                                           on_gpu=p.device.type == "cuda")
+                breakdowns.append((wall, parts))
                 times.append(wall)
                 loss = out[0]
             else:
@@ -214,10 +216,12 @@ class Trainer:
             peak = torch.cuda.max_memory_allocated(p.device)
             reserved = torch.cuda.max_memory_reserved(p.device)   # since the process began: the cache fragmentation leaves
         timed = [times[i] for i in timed_steps]
+        # The profiled step of median wall time (the lower middle of an even count) gives the breakdown.
+        wall, breakdown = sorted(breakdowns, key=lambda b: b[0])[(len(breakdowns) - 1) // 2] if breakdowns else (0.0, None)
         report = RankReport(rank=dist.get_rank(), pp_rank=p.pp_rank, dp_rank=p.dp_rank, tp_rank=p.tp_rank,
                             stages=p.stage_indices, peak_bytes=int(peak), step_times_s=times,
                             median_step_s=statistics.median(timed), threads=torch.get_num_threads(),
-                            breakdown_s=breakdown, breakdown_step_s=times[profiled] if profiled else 0.0,
+                            breakdown_s=breakdown, breakdown_step_s=wall,
                             reserved_bytes=int(reserved), cpu_times_s=cpu_times)
         return losses, report
 

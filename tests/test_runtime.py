@@ -282,6 +282,22 @@ def test_cli_run_writes_the_report(tmp_path):
     assert 0 < report.cores_busy <= (os.cpu_count() or 1) * 1.05
 
 
+def test_a_long_run_profiles_its_last_three_steps_and_keeps_the_breakdown_of_median_time(tmp_path):
+    """From 12 steps the last 3 run under the profiler: none of them is timed, and each rank's
+    breakdown is the one whose wall time is their median (one profiled step took up to 2-3x
+    the timed median in the kept runs of bench/time_fidelity.py)."""
+    steps = 12
+    run = run_for_breakdown(tmp_path, make_plan(dp=2), steps)
+    assert run["profiled_steps"] == 3
+    for r in run["ranks"]:
+        assert_breakdown_adds_up(r)
+        assert r["breakdown_step_s"] == sorted(r["step_times_s"][9:12])[1]
+        assert r["median_step_s"] == statistics.median(r["step_times_s"][2:9])
+    report = RunReport.from_json(run)
+    assert report.timed_steps == list(range(2, 9))
+    assert report.step_s == statistics.median(max(r["step_times_s"][i] for r in run["ranks"]) for i in range(2, 9))
+
+
 def test_breakdown_sees_each_kind_of_collective(tmp_path):
     """dp2 x tp2 (ZeRO 3): FSDP2's gathers and reductions, DTensor's all-reduces, each where it belongs."""
     run = run_for_breakdown(tmp_path, make_plan(dp=2, tp=2, zero=3, optimizer=MOMENTUM), 4)

@@ -15,7 +15,7 @@ import display
 
 from planner.cost import Candidate, CostModel
 from planner.hardware import PRESETS, CollectiveFit, Hardware, load_cluster_file
-from planner.run_report import RankReport, RunReport
+from planner.run_report import RankReport, RunReport, step_roles
 from profiles.calibrate import (Calibration, cluster_file_text, fit_collectives, fit_latency_bandwidth, fit_matmul,
                                 trimmed_mean)
 from synthetic import add_tensor_parallel_samples, random_profile
@@ -746,6 +746,28 @@ def test_a_runs_step_lasts_as_long_as_its_slowest_rank():
     ranks[2].step_times_s[2] = 0.115
     assert run.step_s == pytest.approx(0.115)            # 0.115, 0.130, 0.110
     assert run.step_range_s == pytest.approx((0.110, 0.130, 3))   # the timed steps' slowest, and how many
+
+
+def test_step_roles_profile_the_last_three_of_a_long_run_and_a_document_says_how_many_it_did():
+    """Warm-up, memory, timed steps, then the profiled ones: one from 4 steps, three from 12
+    (step_roles). A run document reads its timed steps by the count it recorded, so one written
+    before three were profiled (profiled_steps absent: one) keeps its own."""
+    assert step_roles(3) == (1, [], [2])
+    assert step_roles(10) == (1, [9], list(range(2, 9)))
+    assert step_roles(20) == (1, [17, 18, 19], list(range(2, 17)))
+    assert step_roles(20, profiled=1) == (1, [19], list(range(2, 19)))
+    times = [0.9, 0.5] + [0.1] * 15 + [0.3, 0.3, 0.9]    # steps 18 and 19 timed in an older run
+    ranks = [RankReport(0, 0, 0, 0, [0], 1 << 20, times, 0.1)]
+    doc = dataclasses.asdict(RunReport("p.json", "0" * 64, 1, 20, [1.0] * 20, "cpu", "2.13", ranks))
+    del doc["profiled_steps"]
+    old = RunReport.from_json(doc)
+    assert old.profiled_steps == 1 and old.timed_steps == list(range(2, 19))
+    assert old.step_range_s == pytest.approx((0.1, 0.3, 17))
+    new = RunReport("p.json", "0" * 64, 1, 20, [1.0] * 20, "cpu", "2.13", ranks, profiled_steps=3)
+    assert new.step_range_s == pytest.approx((0.1, 0.1, 15))
+    new.profiled_steps = 18                               # no step left to time: a damaged document
+    with pytest.raises(ValueError, match="18 profiled steps of 20"):
+        new.validate()
 
 
 def test_cores_busy_is_all_ranks_cpu_time_over_the_step():
