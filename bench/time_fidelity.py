@@ -25,7 +25,8 @@ day measures the drift, not the model. `--hardware cpu` predicts with the built-
 instead. `--again` predicts every layout kept in DIR (by `--keep`) again from its kept profile
 (and kept cluster file, where there is one) and compares it with the same measured runs: a
 change to the cost model is judged without the noise of new runs and new profiles (these
-shared cores move both by 10-25% between runs).
+shared cores move both by 10-25% between runs). A model whose runs were kept from a launch of their
+own is predicted with that launch's cluster file, kept as MODEL.cluster.toml.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fidelity import Case, example_spec, stages_for  # noqa: E402
+from fidelity import MODELS, Case, example_spec, stages_for  # noqa: E402
 from machine_probe import probe  # noqa: E402
 from planner.build import build_plan, layout_of  # noqa: E402
 from planner.cost import Candidate, CostModel, tp_divides  # noqa: E402
@@ -55,6 +56,7 @@ from planner.search import Solution, SolveOptions, search  # noqa: E402
 from planner.run_report import load_run  # noqa: E402
 from planner.verify import MEASURED_COMPONENTS, compare, compare_time  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
+from profiles.model_file import ModelFileError  # noqa: E402
 from profiles.schema import load_profile  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -64,7 +66,7 @@ GLOBAL_BATCH = 16
 # 16 came out at twice what they measure (7 ms a step's layers, against 14-15 ms from the
 # fit; 2026-12-04), and its two rows at 16 measured 73% and 87% off.
 PROFILED_SIZES = (1, 2, 4, 8, 16)
-STEPS = 10            # 1 warm-up, 1 memory, 7 timed, 1 under the profiler
+STEPS = 12            # 1 warm-up, 1 memory, 7 timed, 3 under the profiler (the breakdown: their median; 1 until stop 52)
 GRID = [
     Case("dp4 zero0", dp=4, b=4),
     Case("dp4 zero0 accumulate 4", dp=4, b=1, m=4),
@@ -175,6 +177,19 @@ def probe_now(model: str, when: str) -> dict:
     return out
 
 
+def check_models(models: list[str]) -> None:
+    """Every model named can be built, before anything is measured: a missing package (the Llama
+    needs transformers) stopped a run of stop 52 after the other two models' 25 minutes, before
+    its table was written (their kept runs gave it back with --again)."""
+    for model in models:
+        if model not in MODELS:
+            raise SystemExit(f"no model {model!r} in this bench; pass --models from {', '.join(MODELS)}.")
+        try:
+            example_spec(model)
+        except ModelFileError as e:
+            raise SystemExit(f"{model}: {e}") from None
+
+
 def run_grid(models: list[str], runs: int, keep: Path | None, hardware: str | None) -> tuple[list[dict], list[dict]]:
     """(one row per run of each layout, the machine probes taken along the way)."""
     rows, probes = [], []
@@ -223,11 +238,12 @@ def probe_table(probes: pd.DataFrame) -> list[str]:
 
 def evaluate_again(models: list[str], kept: Path, hardware: str | None) -> list[dict]:
     """The layouts kept in `kept` predicted by today's cost model from their kept profiles
-    (with the kept cluster file, or `hardware`), beside their kept runs."""
+    (with the kept cluster file, the model's own where it has one, or `hardware`), beside their
+    kept runs."""
     rows = []
-    cluster = kept / "cluster.toml"
-    hw = get_hardware(hardware or (str(cluster) if cluster.exists() else "cpu"))
     for model in models:
+        cluster = next((c for c in (kept / f"{model}.cluster.toml", kept / "cluster.toml") if c.exists()), None)
+        hw = get_hardware(hardware or (str(cluster) if cluster else "cpu"))
         prof_path = kept / f"{model}.profile.json"
         if not prof_path.exists():
             raise SystemExit(f"{prof_path} is missing; keep a run with `--keep {kept}` first.")
@@ -272,6 +288,7 @@ def main() -> None:
         probes = pd.read_csv(kept_probes).to_dict("records") if kept_probes.exists() else []
         args.runs = max(r["run"] for r in rows) + 1
     else:
+        check_models(models)
         rows, probes = run_grid(models, args.runs, args.keep, args.hardware)
     raw = pd.DataFrame(rows)
     comp_cols = [c for c in raw.columns if c.startswith(("pred_", "meas_"))]
