@@ -698,7 +698,7 @@ _CPU_MEASURED = f"measured on a 2-core dev machine (AMD EPYC VM with AVX-512 BF1
 # the median slope of three runs on 2026-12-07 (over 4 of 4: 0.33, 0.44, 0.41; 2 of 4: 0.23,
 # 0.17, 0.30; 2 of 2, where the two processes have a core each: 0.15, 0.08, 0.06). The
 # broadcasts are a later calibration's (2026-12-07, stop 51, the medians of its three runs, in
-# bench/results/time_fidelity_runs/cluster.toml), timed packed and unpacked as ZeRO-1 issues
+# bench/results/time_fidelity_runs/cluster.toml at 2ef305c), timed packed and unpacked as ZeRO-1 issues
 # them (runtime.sharded_optimizer.broadcast_packed): over 4 of 4 0.73 ms, where bare it was 0.60.
 _CPU_COLLECTIVES = (
     CollectiveFit("all_gather", 2, 2, 0.001173, 2.095e+09, 0.36, 0.00248, 0.080),
