@@ -422,7 +422,7 @@ def print_plan(plan, wide: bool = False) -> None:
 @app.command()
 def run(
     plan_path: Path = typer.Argument(Path("plan.json"), metavar="[PLAN]"),
-    steps: Optional[int] = typer.Option(None, help=f"Training steps (default {DEFAULT_STEPS}: 1 warms up, 1 measures memory, the last runs under the profiler, the rest are timed)."),
+    steps: Optional[int] = typer.Option(None, help=f"Training steps (default {DEFAULT_STEPS}: 1 warms up, 1 measures memory, the last 3 (the last, under 12 steps) run under the profiler, the rest are timed)."),
     run_out: Optional[Path] = typer.Option(None, "--out", help="Where rank 0 writes run.json (default: run.json here)."),
     nnodes: Optional[int] = typer.Option(None, help="Nodes (torchrun --nnodes; default: the plan's)."),
     node_rank: int = typer.Option(0, help="This node's rank (torchrun --node-rank)."),

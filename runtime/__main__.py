@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (under torchrun).")
     p.add_argument("plan", help="plan.json written by `plan solve`")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps; step 1 warms up, step 2 measures memory, "
-                   "3..S-1 time, and (S >= 4) step S runs under the profiler for the time breakdown")
+                   "the rest time, and the last (S >= 4; the last 3 with S >= 12) run under the profiler for the time breakdown")
     p.add_argument("--out", default="run.json", help="where rank 0 writes the run report")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds a collective may wait for the other ranks before the run stops")

@@ -9,7 +9,7 @@ with checkpoints on, SIGINT / SIGTERM stops it at the end of a step with a check
 Measurements count from the launch's first step (a resumed run measures its own steps). Step 1 warms up. Memory is measured on step 2: on CUDA the allocator's peak from step 2 on;
 on CPU a `LiveMemory` entered for step 2 only, told at the step's start about everything
 alive that the step uses. Every step starts on all ranks at once (_start_together); a rank's step
-time is the median wall time of its steps 3..S-1, the run's the median of their slowest rank's
+time is the median wall time of its timed steps (from step 3), the run's the median of their slowest rank's
 (RunReport.step_s); with S >= 4 the last step (the last 3 with S >= 12) runs under
 torch.profiler and gives the step's time by component (breakdown.py; of several, the one of
 median wall time), so they are left out of the median.
