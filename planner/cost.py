@@ -356,12 +356,20 @@ class CostModel:
         tp_comm += sum(self.collective_s(k, sp_bytes / 2, t, cand, count=sp_count / 2, after_s=after_s)
                        for k in ("all_gather", "reduce_scatter"))
         gather = self.collective_s("all_gather", d * shard_numel * self.compute_isz, d, cand, span=d * t, after_s=after_s)
-        # The step's gradient reductions (replicate's after each layer's backward, a pipeline's
-        # back to back at the step's end) keep the fit as timed: the MLP's replicate all-reduces
-        # after 0.4 ms of backward each took 8.7 ms on average where the fit says 8.4 and the
-        # slice rule 7.8 (one traced dp 4 step, 2026-12-07).
+        # The step's gradient reductions. replicate's, one after each layer's backward, come
+        # after that backward (its TP collectives counted as the compute alone they stand for)
+        # and cost what the slice rule says but never less than the fit as timed: the MLP's,
+        # after 0.4 ms of backward each, took 8.7 ms where the fit says 8.4 and the slice rule
+        # 7.8; the GPT's and the Llama's, after 3 and 8 ms, were the dp 4 rows most under their
+        # runs (one traced dp 4 step each, 2026-12-07). A pipeline's, back to back at the
+        # step's end, keep the fit as timed.
+        reduce_after = after_s if reduce_each else None
+        if mode == "replicate" and cand.pp == 1:
+            tp_in_step = tp_count + sp_count
+            tp_backward = tp_comm * (1 - (s.tp_fwd_comm_count + s.sp_fwd_comm_count) / tp_in_step) if tp_in_step else 0.0
+            reduce_after = bwd_s + recompute + hooks + tp_backward / self.compute_scale(cand)
         reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t,
-                                   after_s=after_s if reduce_each else None)
+                                   after_s=reduce_after, at_least_fit=mode == "replicate")
         fsdp_comm = sync = 0.0
         if mode == "shard":
             fsdp_comm = 2 * gather               # forward, and again in backward (resharded after forward)
@@ -468,16 +476,17 @@ class CostModel:
         return lat, 1.0 / bw, 0.0, 0.0         # broadcast (pipelined), send/receive
 
     def collective_s(self, kind: str, nbytes: float, group: int, cand: Candidate, count: int = 1,
-                     span: int | None = None, after_s: float | None = None) -> float:
+                     span: int | None = None, after_s: float | None = None, at_least_fit: bool = False) -> float:
         """`count` collectives moving `nbytes` in all (each nbytes / count), each after `after_s`
         of one rank's compute (alone) where that is known (a layer's collectives within its
-        micro-batch), else as the fit was timed (slice_terms)."""
+        micro-batch), else as the fit was timed (slice_terms); with `at_least_fit`, never less
+        than as the fit was timed."""
         if group <= 1 or nbytes <= 0 or count <= 0:
             return 0.0
         lat, per_byte = self.collective_terms(kind, group, cand, span)
         if after_s is not None:
             per_slice, at_none = self.slice_terms(kind, group, cand)
-            lat = max(0.0, lat + per_slice * after_s - at_none)
+            lat = max(lat if at_least_fit else 0.0, lat + per_slice * after_s - at_none)
         return count * lat + nbytes * per_byte
 
     def exposed_s(self, comm: float, window: float) -> float:

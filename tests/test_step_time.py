@@ -196,8 +196,7 @@ def test_a_collective_in_a_micro_batch_costs_more_the_longer_ranks_computed_befo
     """A fit timed after 2.5 ms of compute, adding 0.25 s a second of compute before it: a
     collective after 1 ms costs 0.375 ms less, one whose slice is unknown the fit as timed. A
     TP layer's collectives come every (forward + backward) / count of its compute, so the
-    layer's TP time moves by 0.25 x (its compute - count x 2.5 ms) from the fit's; the step's
-    gradient all-reduce (replicate's) keeps the fit."""
+    layer's TP time moves by 0.25 x (its compute - count x 2.5 ms) from the fit's."""
     prof = add_tensor_parallel_samples(random.Random(3), tiny_profile())
     timed = CollectiveFit("all_reduce", 2, 4, 3e-3, 1e9)
     sliced = dataclasses.replace(timed, slice_s=2.5e-3, per_slice_s=0.25)
@@ -213,7 +212,40 @@ def test_a_collective_in_a_micro_batch_costs_more_the_longer_ranks_computed_befo
         alone = s.fwd_s + s.bwd_s
         moved = model.layer(cand, i, False, False).tp_comm_s - plain.layer(cand, i, False, False).tp_comm_s
         assert count > 0 and moved == pytest.approx(0.25 * (alone - count * 2.5e-3))
-        assert model.layer(cand, i, False, False).sync_s == plain.layer(cand, i, False, False).sync_s
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicates_gradient_all_reduce_costs_the_slice_rule_over_its_layers_backward_never_less_than_the_fit(tp):
+    """replicate all-reduces each layer's gradients after that layer's backward: the slice rule
+    over the backward (its TP collectives there counted as the compute alone they stand for:
+    their time over the contention scale) where that is longer than the slice the fit was timed
+    after, the fit as timed where it is shorter (never less); a pipeline's reductions, back to
+    back at the step's end, the fit as timed."""
+    prof = add_tensor_parallel_samples(random.Random(3), tiny_profile())
+    timed = CollectiveFit("all_reduce", 4 // tp, 4, 3e-3, 1e9)
+    def model_with(fit):
+        return CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=(fit,)), 8, 1 << 40)
+    plain = model_with(timed)
+    short = model_with(dataclasses.replace(timed, slice_s=1e-9, per_slice_s=0.25))   # every backward longer
+    long = model_with(dataclasses.replace(timed, slice_s=10.0, per_slice_s=0.25))    # every backward shorter
+    cand = Candidate(4 // tp, tp, 1, 1, 4, 0, "1f1b", True, False)                  # ZeRO 0: replicate
+    moved_any = False
+    for i in range(prof.n_layers):
+        s, lc = short.sample(i, cand), short.layer(cand, i, "none", False)
+        tp_count = s.tp_fwd_comm_count + s.tp_bwd_comm_count
+        tp_backward = lc.tp_comm_s * s.tp_bwd_comm_count / tp_count if tp_count else 0.0
+        after = s.bwd_s + (lc.fsdp_hooks_s + tp_backward) / short.compute_scale(cand)
+        fit = plain.layer(cand, i, "none", False).sync_s
+        assert lc.sync_s == pytest.approx(fit + 0.25 * (after - 1e-9))
+        assert long.layer(cand, i, "none", False).sync_s == pytest.approx(fit)
+        moved_any |= fit > 0 and lc.sync_s > fit
+    assert moved_any
+    if tp == 1:
+        piped = Candidate(2, 1, 2, 1, 4, 0, "1f1b", True, False)
+        piped_fit = CollectiveFit("all_reduce", 2, 4, 3e-3, 1e9)
+        for fit in (piped_fit, dataclasses.replace(piped_fit, slice_s=1e-9, per_slice_s=0.25)):
+            assert model_with(fit).layer(piped, 0, "none", False).sync_s == \
+                pytest.approx(model_with(piped_fit).layer(piped, 0, "none", False).sync_s)
 
 
 def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_backward():
