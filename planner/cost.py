@@ -367,7 +367,7 @@ class CostModel:
         if mode == "replicate" and cand.pp == 1:
             tp_in_step = tp_count + sp_count
             tp_backward = tp_comm * (1 - (s.tp_fwd_comm_count + s.sp_fwd_comm_count) / tp_in_step) if tp_in_step else 0.0
-            reduce_after = bwd_s + recompute + hooks + tp_backward / self.compute_scale(cand)
+            reduce_after = bwd_s + recompute + hooks + tp_backward / scale
         reduce = self.collective_s("reduce_scatter" if sharding else "all_reduce", rs_bytes, d, cand, span=d * t,
                                    after_s=reduce_after, at_least_fit=mode == "replicate")
         fsdp_comm = sync = 0.0
