@@ -248,6 +248,29 @@ def test_replicates_gradient_all_reduce_costs_the_slice_rule_over_its_layers_bac
                 pytest.approx(model_with(piped_fit).layer(piped, 0, "none", False).sync_s)
 
 
+def test_a_pipelines_gradient_reductions_cost_the_fit_with_every_rank_at_work():
+    """A pipeline reduces its gradients at the step's end, its last stage beside the first's
+    last backwards: the fit for every rank of the node at work, not the mean over the
+    pipeline's slots of the fit for as many as compute in each (pp 2 x dp 2 at one micro-batch
+    computes on 2 of its 4 ranks a slot). Without pipelining, unchanged."""
+    prof = tiny_profile()
+    two = CollectiveFit("all_reduce", 2, 2, 1e-3, 2e9)      # 2 processes busy: cheaper
+    four = CollectiveFit("all_reduce", 2, 4, 3e-3, 5e8)     # 4 busy
+    def model_with(*fits):
+        return CostModel(prof, dataclasses.replace(PRESETS["cpu"], collectives=fits), 8, 1 << 40)
+    both, only_four, only_two = model_with(two, four), model_with(four), model_with(two)
+    piped = Candidate(2, 1, 2, 1, 1, 0, "gpipe", True, False)
+    assert both.busy_ranks(piped) == [2.0, 2.0]            # one stage computing a slot
+    flat = Candidate(2, 1, 1, 1, 1, 0, "1f1b", True, False)
+    for i in range(prof.n_layers):
+        got = both.layer(piped, i, "none", False).sync_s
+        assert got > 0
+        assert got == pytest.approx(only_four.layer(piped, i, "none", False).sync_s)
+        assert got > only_two.layer(piped, i, "none", False).sync_s
+        # dp 2 alone keeps 2 ranks busy, so its reduction costs the fit for 2
+        assert both.layer(flat, i, "none", False).sync_s == pytest.approx(only_two.layer(flat, i, "none", False).sync_s)
+
+
 def test_every_pipeline_stage_pays_the_measured_overhead_for_its_forward_and_backward():
     """plan calibrate measures a slot of a stage's forward and backward; a first or last stage
     runs both as a middle one does (it was charged per boundary, half at the ends). Without a
