@@ -402,3 +402,70 @@ def test_each_timed_repeat_runs_on_the_next_copy_of_the_layer_with_the_same_weig
     assert weight_copies(layer, ProfileOptions(device="cuda")) == [layer]
     big = torch.nn.Linear(1, (2 * last_level_cache_bytes()) // 4 + 1, bias=False)
     assert weight_copies(big, opts) == [big]
+
+
+SLOW_IN_A_CHAIN = '''
+import time
+import torch
+import torch.nn as nn
+
+
+class SlowInAChain(nn.Module):
+    """Cheap alone; 20 ms more each forward when its input comes from the layer before it in a
+    step (has a grad_fn), as the profiler never feeds it when it times a layer alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        if x.grad_fn is not None:
+            time.sleep(0.02)
+        return x * self.w
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), SlowInAChain(), nn.Linear(8, 8))
+
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8), torch.randn(batch_size, 8)
+
+
+def loss_fn(out, targets):
+    return ((out - targets) ** 2).mean()
+'''
+
+
+def test_layer_times_are_scaled_to_the_whole_step_timed_as_a_chain(tmp_path, monkeypatch):
+    """At each micro-batch size the profiler times the whole model's forward and backward as a
+    rank runs them and scales every layer's times so that they sum to it (a layer that costs
+    20 ms more in a step than alone moves the forward's factor far above 1); the factors round
+    trip through JSON and a damaged one is refused; where the step may not fit in free memory,
+    it is not run and the layers keep their times alone."""
+    from profiles import measure
+    from profiles.measure import ProfileOptions, profile_model
+    from profiles.model_file import load_model_file
+    from profiles.schema import ProfileError
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW_IN_A_CHAIN)
+    spec = load_model_file(path)
+    opts = ProfileOptions(batch_sizes=(1, 2), warmup=1, repeats=3)
+    prof = profile_model(spec, opts)
+
+    assert sorted(prof.in_step) == [1, 2]
+    for b, (fwd_factor, bwd_factor) in prof.in_step.items():
+        forward = sum(layer.samples[b].fwd_s for layer in prof.layers) + prof.loss.samples[b].fwd_s
+        assert forward >= 0.02                      # the step's 20 ms sleep is in the layers' times now
+        assert fwd_factor > 5 and bwd_factor > 0    # alone, the three layers' forwards took well under 4 ms
+    again = Profile.from_json(prof.to_json())
+    assert again.in_step == prof.in_step
+    damaged = prof.to_json()
+    damaged["in_step"]["1"] = [0.0, 1.0]
+    with pytest.raises(ProfileError, match="in_step at micro-batch 1"):
+        Profile.from_json(damaged)
+
+    monkeypatch.setattr(measure, "free_memory_bytes", lambda device: 0)
+    alone = profile_model(spec, opts)
+    assert alone.in_step == {}
+    assert all(sum(layer.samples[b].fwd_s for layer in alone.layers) < 0.02 for b in (1, 2))
