@@ -186,8 +186,6 @@ def write_profile_csv(prof, path: Path) -> None:
 
 def print_profile(prof, b: int | None = None, wide: bool = False) -> None:
     out.print(display.profile_table(prof, b or max(prof.batch_sizes), display.is_wide(out, wide)))
-    if prof.in_step:
-        out.print(display.in_step_note(prof), highlight=False)
 
 
 # ----------------------------------------------------------------------------------------

@@ -267,14 +267,3 @@ def run_table(run) -> Group:
         t.add_row(str(r.rank), str(r.pp_rank), str(r.dp_rank), str(r.tp_rank), number(r.peak_bytes / scale),
                   f"{r.median_step_s:.4f}")
     return titled(title, t)
-
-
-def in_step_note(prof) -> str:
-    """One line: how the whole step's time compared with its layers timed alone (Profile.in_step)."""
-    def span(k: int) -> str:
-        lo, hi = min(f[k] for f in prof.in_step.values()), max(f[k] for f in prof.in_step.values())
-        return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
-    sizes = sorted(prof.in_step)
-    at = f"micro-batch {sizes[0]}" if len(sizes) == 1 else f"micro-batches {sizes[0]}-{sizes[-1]}"
-    return (f"note: the whole model's step took {span(0)} its layers' forwards timed alone and {span(1)} their "
-            f"backwards ({at}); the times are scaled to it (docs/cost-model.md)")

@@ -14,10 +14,6 @@ from `make_batch`, in the dtype and on the device it will train on:
      warm-up, with CUDA events on a GPU; on a CPU each repeat on the next of several copies of
      the layer, so that it finds its weights in memory as in a step (time_layer).
 
-Then, unless fake, the whole model's forward, loss and backward at each micro-batch size, to
-which every layer's times there are scaled (scale_to_whole_step; the factors are the profile's
-`in_step`).
-
 In fake mode (FakeTensorMode) nothing is allocated; memory and FLOPs are exact and times come
 from a hardware preset's achievable rates, op by op (`Hardware.op_seconds`), and no faster than
 the host issues the ops (`Hardware.op_launch_s`).
@@ -29,7 +25,6 @@ import contextlib
 import copy
 import hashlib
 import json
-import os
 import statistics
 import time
 import warnings
@@ -510,83 +505,6 @@ def share_times_of_identical_layers(layers: list[LayerProfile]) -> None:
                 g.tp_times[b] = list(med)
 
 
-# A layer timed alone, its backward right after its forward, finds what the forward wrote still
-# in the cache and the buffers of its last repeat free to reuse; in a step the other layers run
-# in between, on buffers of their own. On the 2-core VM of 2026-12-08 (2 MiB of L2 a core, the
-# fused AdamW step's 23 GB/s to memory) the GPT's whole step at micro-batch 16 took 1.20x its
-# layers' forwards (the loss's included) and 1.08x their backwards, timed alone and summed, and
-# a one-process plan of it measured 19% over its prediction (1.00-1.08x on the VM of 2026-12-06,
-# bench/results/layers_in_model.md). So at each micro-batch size the model's forward and backward
-# are timed whole, as a rank runs them, and every layer's times are scaled by the same factor
-# (scale_to_whole_step): each layer keeps its share as timed alone, the sum is the step's.
-
-
-def time_whole_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
-                    opts: ProfileOptions, layers: list[LayerProfile], loss: LossProfile,
-                    b: int) -> tuple[float, float] | None:
-    """Median (forward with the loss, backward) seconds of the whole model at micro-batch b,
-    after warm-up; None where it may not fit (its weights, gradients and saved activations, as
-    the layers measured them, over half the memory free) or does not."""
-    need = sum(2 * l.param_bytes + l.samples[b].saved_bytes + l.samples[b].bwd_peak_bytes for l in layers) \
-        + loss.samples[b].saved_bytes
-    if need > free_memory_bytes(opts.device) / 2:
-        return None
-    cuda = opts.device == "cuda"
-    fwd_times, bwd_times = [], []
-    try:
-        for rep in range(opts.warmup + opts.repeats):
-            t_f, t_b = _Timer(cuda), _Timer(cuda)
-            with t_f:
-                value = loss_fn(model(inputs), targets)
-            with t_b:
-                value.backward()
-            del value
-            _clear_grads(model)
-            if rep >= opts.warmup:
-                fwd_times.append(t_f.seconds())
-                bwd_times.append(t_b.seconds())
-    except torch.OutOfMemoryError:
-        _clear_grads(model)
-        return None
-    return statistics.median(fwd_times), statistics.median(bwd_times)
-
-
-def free_memory_bytes(device: str) -> int:
-    """Bytes free on the device now (a CPU: the host's available memory)."""
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def scale_to_whole_step(layers: list[LayerProfile], loss: LossProfile,
-                        whole: dict[int, tuple[float, float]]) -> dict[int, list[float]]:
-    """Scale every layer's and the loss's times at each micro-batch size of `whole` so that
-    their forwards (recomputations too) sum to the whole step's forward and their backwards to
-    its backward; return the [forward, backward] factors per micro-batch size."""
-    factors = {}
-    for b, (fwd_s, bwd_s) in whole.items():
-        alone = [layer.samples[b] for layer in layers] + [loss.samples[b]]
-        fwd_alone, bwd_alone = sum(s.fwd_s for s in alone), sum(s.bwd_s for s in alone)
-        if fwd_alone <= 0 or bwd_alone <= 0:
-            continue
-        f, g = fwd_s / fwd_alone, bwd_s / bwd_alone
-        for layer in layers:
-            for s in [layer.samples[b]] + ([layer.tp_samples[b]] if b in layer.tp_samples else []):
-                s.fwd_s, s.sac_recompute_s, s.bwd_s = s.fwd_s * f, s.sac_recompute_s * f, s.bwd_s * g
-            if b in layer.tp_times:
-                layer.tp_times[b] = [layer.tp_times[b][0] * f, layer.tp_times[b][1] * g]
-        for s in [loss.samples[b]] + [split[b] for split in loss.split_samples.values() if b in split]:
-            s.fwd_s, s.bwd_s = s.fwd_s * f, s.bwd_s * g
-        factors[b] = [f, g]
-    return factors
-
-
 # --------------------------------------------------------------------------------------
 # The whole model
 # --------------------------------------------------------------------------------------
@@ -724,8 +642,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                   for i, (name, layer) in enumerate(model.named_children())]
         loss = LossProfile()
         batch = {"input_bytes": {}, "target_bytes": {}}
-        total = (len(model) + 2) * len(opts.batch_sizes)
-        whole: dict[int, tuple[float, float]] = {}   # micro-batch -> the whole step's (forward, backward) seconds
+        total = (len(model) + 1) * len(opts.batch_sizes)
         # FSDP2 units' own work, measured at every micro-batch size of each first layer of a kind
         # (same_as: the identical layers that take its figures): see set_fsdp_overheads.
         overheads: dict[int, list[dict[str, float]]] = {}
@@ -805,11 +722,6 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
                             f"torch's loss_parallel ({type(e).__name__}: {mf.first_line(e)}); compute it with F.cross_entropy "
                             "on the logits, or take the head out of the tp_plan.") from None
                     del split, logits
-            if not opts.fake:
-                on_progress(f"micro-batch {b}: the whole step", total)
-                timed = time_whole_step(model, inputs, targets, spec.loss_fn, opts, layers, loss, b)
-                if timed is not None:
-                    whole[b] = timed
         set_fsdp_overheads(layers, overheads, same_as)
         if not opts.fake:
             steps: dict[str, float] = {}     # the optimizer step depends on the parameter shapes only
@@ -821,7 +733,6 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
     for layer in layers:
         layer.signature = signature(layer)
     share_times_of_identical_layers(layers)
-    in_step = scale_to_whole_step(layers, loss, whole)
     for layer in layers:
         layer.refit()
     loss.refit()
@@ -838,7 +749,7 @@ def _profile_model(spec, opts, on_progress, op_seconds) -> Profile:
         method="fake" if opts.fake else "measured", hardware=opts.hardware, precision=opts.precision,
         optimizer=opts.optimizer, batch_sizes=bs, layers=layers, loss=loss,
         batch={"input_bytes_per_sample": per_sample["input_bytes"], "target_bytes_per_sample": per_sample["target_bytes"]},
-        seq_len=spec.seq_len, tp_divides=list(spec.tp_divides), threads=opts.threads, in_step=in_step,
+        seq_len=spec.seq_len, tp_divides=list(spec.tp_divides), threads=opts.threads,
     )
 
 

@@ -310,10 +310,6 @@ class Profile:
     seq_len: int | None = None
     tp_divides: list[int] = field(default_factory=list)   # numbers a tensor-parallel degree must divide (head counts)
     threads: int = 1            # intra-op threads the layers were timed with (the runtime's per process on CPU)
-    # Per micro-batch size, [forward, backward]: the whole model's step over its layers timed
-    # alone, by which their times were scaled (measure.scale_to_whole_step); empty for a fake
-    # profile and for one written before stop 55, whose times are the layers' alone.
-    in_step: dict[int, list[float]] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
     kind: str = "profile"
 
@@ -340,7 +336,6 @@ class Profile:
             layer["tp_times"] = {str(b): t for b, t in layer["tp_times"].items()}
             layer["sp_samples"] = {str(b): s for b, s in layer["sp_samples"].items()}
         d["loss"]["samples"] = {str(b): s for b, s in d["loss"]["samples"].items()}
-        d["in_step"] = {str(b): f for b, f in d["in_step"].items()}
         d["loss"]["split_samples"] = {str(t): {str(b): s for b, s in samples.items()}
                                       for t, samples in d["loss"]["split_samples"].items()}
         return d
@@ -362,8 +357,7 @@ class Profile:
                        precision=str(d["precision"]), optimizer=str(d["optimizer"]),
                        batch_sizes=[int(b) for b in d["batch_sizes"]], layers=layers, loss=loss,
                        batch=dict(d["batch"]), seq_len=d.get("seq_len"),
-                       tp_divides=[int(n) for n in d.get("tp_divides", [])], threads=int(d["threads"]),
-                       in_step={int(b): [float(x) for x in f] for b, f in d.get("in_step", {}).items()})
+                       tp_divides=[int(n) for n in d.get("tp_divides", [])], threads=int(d["threads"]))
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -386,9 +380,6 @@ class Profile:
             bad(f"threads is {self.threads}, not a positive count")
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
             bad("its batch sizes are not positive")
-        for b, f in self.in_step.items():
-            if b not in self.batch_sizes or len(f) != 2 or not all(math.isfinite(x) and x > 0 for x in f):
-                bad(f"in_step at micro-batch {b} is {f!r}, not two positive factors at one of its batch sizes")
         for layer in self.layers:
             for name in ("param_count", "param_bytes", "grad_bytes", "optimizer_state_bytes", "buffer_bytes"):
                 v = getattr(layer, name)
