@@ -368,7 +368,7 @@ def step_time_trust(profile: Profile, hardware, measured_here: bool) -> str:
     (docs/fidelity.md): said once, so that no table's figure reads as exact."""
     if measured_here and hardware.device_type == "cpu":
         return ("step times are predictions: on 4 CPU processes of a 2-core VM, 55 layouts of three models "
-                "measured within 3-9% of them at the median and 14-22% at worst over the last three runs, and "
+                "measured within 3-11% of them at the median and 14-22% at worst over the last three runs, and "
                 "a layout's own step moved by 7-82% from one run to the next at the median, as the machine's "
                 "speed moved (bench/time_fidelity.py, docs/fidelity.md)")
     if measured_here and profile.method == "measured":
